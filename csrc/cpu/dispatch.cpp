@@ -1,0 +1,92 @@
+// Run-time ISA dispatch: CPUID + XGETBV are read once; SCATTER_ADD_CPU_ISA (scalar, avx2, avx512,
+// avx512_bf16) caps the level so tests can force every compiled path; set_isa() does the same
+// from code. A requested level above what the CPU and OS support is clamped down, never up.
+#include <cpuid.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "dispatch.h"
+#include "scatter_add/scatter_add.h"
+
+namespace scatter_add {
+namespace {
+
+uint64_t read_xcr0() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+Isa detect_isa() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return Isa::scalar;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12),
+             f16c = c & (1u << 29);
+  if (!(osxsave && avx && fma && f16c)) return Isa::scalar;
+  const uint64_t xcr0 = read_xcr0();
+  if ((xcr0 & 0x6) != 0x6) return Isa::scalar;  // XMM and YMM state enabled by the OS
+  if (__get_cpuid_max(0, nullptr) < 7) return Isa::scalar;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx2 = b & (1u << 5);
+  if (!avx2) return Isa::scalar;
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));
+  if (!avx512 || (xcr0 & 0xE0) != 0xE0) return Isa::avx2;  // opmask + ZMM state
+  __cpuid_count(7, 1, a, b, c, d);
+  return (a & (1u << 5)) ? Isa::avx512_bf16 : Isa::avx512;
+}
+
+Isa parse_env(Isa fallback) {
+  const char* env = std::getenv("SCATTER_ADD_CPU_ISA");
+  if (env == nullptr || *env == '\0') return fallback;
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+    if (std::strcmp(env, isa_name(i)) == 0) return i;
+  return fallback;  // unknown names leave the best level in place
+}
+
+Isa clamp(Isa want) { return static_cast<int>(want) < static_cast<int>(supported_isa()) ? want : supported_isa(); }
+
+std::atomic<int>& active_level() {
+  static std::atomic<int> level{static_cast<int>(clamp(parse_env(supported_isa())))};
+  return level;
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::avx512_bf16: return "avx512_bf16";
+  }
+  return "unknown";
+}
+
+Isa supported_isa() {
+  static const Isa best = detect_isa();
+  return best;
+}
+
+Isa active_isa() { return static_cast<Isa>(active_level().load(std::memory_order_relaxed)); }
+
+Isa set_isa(Isa isa) {
+  const Isa got = clamp(isa);
+  active_level().store(static_cast<int>(got), std::memory_order_relaxed);
+  return got;
+}
+
+namespace cpu {
+const KernelTable& active_kernels() {
+  switch (active_isa()) {
+    case Isa::avx512_bf16: return kernels_avx512_bf16();
+    case Isa::avx512: return kernels_avx512();
+    case Isa::avx2: return kernels_avx2();
+    case Isa::scalar: break;
+  }
+  return kernels_scalar();
+}
+}  // namespace cpu
+
+}  // namespace scatter_add

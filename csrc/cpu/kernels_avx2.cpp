@@ -1,0 +1,81 @@
+// AVX2 + FMA + F16C row kernels: 8 float32 (or 4 float64) accumulators per register.
+// Compiled with -mavx2 -mfma -mf16c; called only when CPUID and XGETBV report AVX2 support.
+#include <immintrin.h>
+
+#include "convert.h"
+#include "row_kernels.h"
+
+namespace scatter_add {
+namespace cpu {
+namespace {
+
+struct Avx2F32 {
+  using storage = float;
+  using acc = float;
+  using vec = __m256;
+  static constexpr int width = 8;
+  static vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+  static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+  static vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+  static vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static vec set1(float a) { return _mm256_set1_ps(a); }
+  static vec load_acc(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_acc(float* p, vec v) { _mm256_storeu_ps(p, v); }
+};
+
+struct Avx2F64 {
+  using storage = double;
+  using acc = double;
+  using vec = __m256d;
+  static constexpr int width = 4;
+  static vec load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, vec v) { _mm256_storeu_pd(p, v); }
+  static vec add(vec a, vec b) { return _mm256_add_pd(a, b); }
+  static vec mul(vec a, vec b) { return _mm256_mul_pd(a, b); }
+  static vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_pd(a, b, c); }
+  static vec set1(double a) { return _mm256_set1_pd(a); }
+  static vec load_acc(const double* p) { return _mm256_loadu_pd(p); }
+  static void store_acc(double* p, vec v) { _mm256_storeu_pd(p, v); }
+};
+
+struct Avx2BF16 : Avx2F32 {
+  using storage = uint16_t;
+  static vec load(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  // Round to nearest even in integer arithmetic; NaN becomes 0x7FC0 like the scalar path.
+  static void store(uint16_t* p, vec v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+};
+
+struct Avx2F16 : Avx2F32 {
+  using storage = uint16_t;
+  static vec load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(uint16_t* p, vec v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+}  // namespace
+
+const KernelTable& kernels_avx2() {
+  static const KernelTable t = make_table<Avx2F32, Avx2F64, Avx2BF16, Avx2F16>();
+  return t;
+}
+
+}  // namespace cpu
+}  // namespace scatter_add

@@ -1,0 +1,136 @@
+// scatter_add: exact, deterministic row-wise scatter-add and gather. Public C++ API, no torch.
+//
+//   index_add_rows:  out[index[i], :] += weight[i] * src[i, :]     for i < K  (weight optional, 1)
+//   gather_rows:     dst[i, :] = weight[i] * x[index[i], :]        for i < K  (weight optional, 1)
+//
+// Matrices are row-major views: a pointer, rows, cols, a row stride in elements and a dtype;
+// the column stride is 1. bf16/fp16 rows are accumulated in float32 and float64 in float64, then
+// rounded once per output element. Duplicate indices are summed in source-row order, so results
+// are bitwise identical for every thread count and every run. Every argument is validated before
+// the first write: on error a scatter_add::Error is thrown and the output is left untouched.
+//
+// Plans: a Plan is the counting sort of an index by destination row (CSR). Build it once and
+// pass it to many index_add_rows/gather_rows calls that share the index (MoE forward + backward).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace scatter_add {
+
+enum class DType : int { f32 = 0, f64 = 1, bf16 = 2, f16 = 3 };
+enum class IndexType : int { i32 = 0, i64 = 1 };
+
+const char* dtype_name(DType t);
+size_t dtype_size(DType t);
+
+// A read-only [rows, cols] view. row_stride is in elements; any value >= 0 is accepted for inputs.
+struct ConstMatrix {
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  DType dtype = DType::f32;
+};
+
+// A writable [rows, cols] view. row_stride >= cols when rows > 1 (rows may not alias each other).
+struct Matrix {
+  void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  DType dtype = DType::f32;
+  operator ConstMatrix() const { return {data, rows, cols, row_stride, dtype}; }
+};
+
+// A contiguous 1-D index of int32 or int64 values.
+struct IndexVector {
+  const void* data = nullptr;
+  int64_t size = 0;
+  IndexType type = IndexType::i64;
+};
+
+// An optional contiguous 1-D weight (any float dtype). data == nullptr means "no weight" (all 1).
+struct WeightVector {
+  const void* data = nullptr;
+  int64_t size = 0;
+  DType dtype = DType::f32;
+};
+
+struct Options {
+  std::optional<int64_t> ignore_index;  // index value to skip (gather writes zero rows for it)
+  int num_threads = 0;                  // 0: the default (set_num_threads or hardware concurrency)
+};
+
+// Thrown on bad input. kind says which Python exception a binding should raise.
+class Error : public std::runtime_error {
+ public:
+  enum class Kind { index, value };
+  Error(Kind kind, const std::string& msg) : std::runtime_error(msg), kind_(kind) {}
+  Kind kind() const { return kind_; }
+
+ private:
+  Kind kind_;
+};
+
+// Counting sort of an index by destination row: a CSR of source rows per touched destination row.
+// Source ids inside each row are in increasing order, which fixes the summation order.
+class Plan {
+ public:
+  // Validates every index value against [0, num_rows) (ignore_index excepted) and builds the plan.
+  static Plan build(const IndexVector& index, int64_t num_rows,
+                    std::optional<int64_t> ignore_index = std::nullopt);
+  // Same, reusing this plan's memory.
+  void rebuild(const IndexVector& index, int64_t num_rows,
+               std::optional<int64_t> ignore_index = std::nullopt);
+
+  int64_t num_rows() const { return num_rows_; }        // N, the destination row count
+  int64_t num_entries() const { return num_entries_; }  // K, the index length
+  int64_t num_distinct() const { return static_cast<int64_t>(rows_.size()); }  // R
+  std::optional<int64_t> ignore_index() const { return ignore_index_; }
+
+  const std::vector<int64_t>& rows() const { return rows_; }        // [R] distinct rows, ascending
+  const std::vector<int64_t>& offsets() const { return offsets_; }  // [R + 1]
+  const std::vector<int64_t>& sources() const { return sources_; }  // [kept] source ids by row
+  const std::vector<int64_t>& ignored() const { return ignored_; }  // source ids equal to ignore
+
+ private:
+  int64_t num_rows_ = 0;
+  int64_t num_entries_ = 0;
+  std::optional<int64_t> ignore_index_;
+  std::vector<int64_t> rows_, offsets_, sources_, ignored_;
+  std::vector<int64_t> counts_;  // scratch of size N kept for rebuild
+};
+
+// out[index[i], :] += weight[i] * src[i, :]. out is [N, D], src is [K, D].
+void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatrix& src,
+                    const WeightVector& weight = {}, const Options& options = {});
+// The same with a prebuilt plan (its ignore_index is used; options.ignore_index must match or be
+// unset).
+void index_add_rows(const Matrix& out, const Plan& plan, const ConstMatrix& src,
+                    const WeightVector& weight = {}, const Options& options = {});
+
+// dst[i, :] = weight[i] * x[index[i], :]; rows with ignore_index become zero. x is [N, D], dst is [K, D].
+void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& index,
+                 const WeightVector& weight = {}, const Options& options = {});
+void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
+                 const WeightVector& weight = {}, const Options& options = {});
+
+// Threads: the default count used when Options::num_threads == 0. 0 restores hardware concurrency.
+void set_num_threads(int n);
+int get_num_threads();
+
+// CPU instruction-set level of the row kernels. SCATTER_ADD_CPU_ISA=scalar|avx2|avx512|avx512_bf16
+// caps the level (it never raises it above what the CPU and OS support).
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
+const char* isa_name(Isa isa);
+Isa supported_isa();  // the best level this CPU and OS support
+Isa active_isa();     // the level in use (after SCATTER_ADD_CPU_ISA and set_isa)
+// Forces a level for tests (clamped to supported_isa()); returns the level now in use.
+Isa set_isa(Isa isa);
+
+}  // namespace scatter_add

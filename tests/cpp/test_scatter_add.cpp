@@ -1,0 +1,420 @@
+// GoogleTest suite of the C++ core: every dtype x index type x weight x ignore_index against a
+// float64 reference, edge shapes, bitwise determinism across thread counts and runs, plan reuse,
+// and bad input (an error naming the argument, and `out` left bit-for-bit unchanged).
+// CTest runs it once per forced ISA level (SCATTER_ADD_CPU_ISA); `ctest --test-dir .build/release`.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "convert.h"
+#include "scatter_add/scatter_add.h"
+
+namespace sa = scatter_add;
+using sa::DType;
+using sa::IndexType;
+
+namespace {
+
+// A host buffer of one dtype with float64 accessors.
+struct Buf {
+  DType dtype;
+  std::vector<unsigned char> bytes;
+  Buf(DType t, size_t n) : dtype(t), bytes(n * sa::dtype_size(t)) {}
+  size_t size() const { return bytes.size() / sa::dtype_size(dtype); }
+  void* data() { return bytes.data(); }
+  const void* data() const { return bytes.data(); }
+  double get(size_t i) const {
+    switch (dtype) {
+      case DType::f32: return reinterpret_cast<const float*>(bytes.data())[i];
+      case DType::f64: return reinterpret_cast<const double*>(bytes.data())[i];
+      case DType::bf16: return sa::cpu::bf16_to_f32(reinterpret_cast<const uint16_t*>(bytes.data())[i]);
+      case DType::f16: return sa::cpu::f16_to_f32(reinterpret_cast<const uint16_t*>(bytes.data())[i]);
+    }
+    return 0;
+  }
+  void set(size_t i, double v) {
+    switch (dtype) {
+      case DType::f32: reinterpret_cast<float*>(bytes.data())[i] = static_cast<float>(v); break;
+      case DType::f64: reinterpret_cast<double*>(bytes.data())[i] = v; break;
+      case DType::bf16:
+        reinterpret_cast<uint16_t*>(bytes.data())[i] = sa::cpu::f32_to_bf16(static_cast<float>(v));
+        break;
+      case DType::f16:
+        reinterpret_cast<uint16_t*>(bytes.data())[i] = sa::cpu::f32_to_f16(static_cast<float>(v));
+        break;
+    }
+  }
+};
+
+Buf random_buf(DType t, size_t n, std::mt19937_64& rng) {
+  Buf b(t, n);
+  std::uniform_real_distribution<double> u(-2.0, 2.0);
+  for (size_t i = 0; i < n; ++i) b.set(i, u(rng));
+  return b;
+}
+
+// Index values as int64 plus the typed buffer handed to the library.
+struct Idx {
+  IndexType type;
+  std::vector<int64_t> values;
+  std::vector<int32_t> v32;
+  sa::IndexVector view() const {
+    if (type == IndexType::i32) return {v32.data(), static_cast<int64_t>(v32.size()), type};
+    return {values.data(), static_cast<int64_t>(values.size()), type};
+  }
+};
+Idx make_idx(IndexType t, std::vector<int64_t> v) {
+  Idx r{t, std::move(v), {}};
+  for (int64_t x : r.values) r.v32.push_back(static_cast<int32_t>(x));
+  return r;
+}
+
+enum class Pattern { uniform, moe_topk, all_equal, hot_row };
+std::vector<int64_t> make_indices(Pattern p, int64_t n, int64_t k, std::mt19937_64& rng) {
+  std::vector<int64_t> v(static_cast<size_t>(k));
+  std::uniform_int_distribution<int64_t> u(0, std::max<int64_t>(n - 1, 0));
+  for (int64_t i = 0; i < k; ++i) {
+    switch (p) {
+      case Pattern::uniform: v[i] = u(rng); break;
+      case Pattern::moe_topk: v[i] = (i * 7919 + i / 2) % n; break;  // each row about K/N times
+      case Pattern::all_equal: v[i] = n / 2; break;
+      case Pattern::hot_row: v[i] = (rng() % 4 == 0) ? u(rng) : 0; break;
+    }
+  }
+  if (p == Pattern::moe_topk) std::shuffle(v.begin(), v.end(), rng);
+  return v;
+}
+
+double eps_of(DType t) {
+  switch (t) {
+    case DType::f32: return std::ldexp(1.0, -24);
+    case DType::f64: return std::ldexp(1.0, -53);
+    case DType::bf16: return std::ldexp(1.0, -8);
+    case DType::f16: return std::ldexp(1.0, -11);
+  }
+  return 0;
+}
+double acc_eps(DType t) { return t == DType::f64 ? std::ldexp(1.0, -53) : std::ldexp(1.0, -24); }
+
+sa::Matrix mat(Buf& b, int64_t rows, int64_t cols, int64_t stride) {
+  return {b.data(), rows, cols, stride, b.dtype};
+}
+sa::ConstMatrix cmat(const Buf& b, int64_t rows, int64_t cols, int64_t stride) {
+  return {b.data(), rows, cols, stride, b.dtype};
+}
+
+struct Case {
+  DType dtype;
+  IndexType itype;
+  bool weighted;
+  bool ignore;
+};
+
+std::string describe(const Case& c, int64_t n, int64_t k, int64_t d) {
+  return std::string(sa::dtype_name(c.dtype)) + (c.itype == IndexType::i32 ? " i32" : " i64") +
+         (c.weighted ? " weight" : "") + (c.ignore ? " ignore" : "") + " N=" + std::to_string(n) +
+         " K=" + std::to_string(k) + " D=" + std::to_string(d) + " isa=" + sa::isa_name(sa::active_isa());
+}
+
+// Runs index_add_rows and checks every element against a float64 reference with a bound of
+// one final rounding plus (contributions + 1) accumulator roundings of the magnitudes summed.
+void check_index_add(const Case& c, int64_t n, int64_t k, int64_t d, Pattern pat, uint64_t seed) {
+  SCOPED_TRACE(describe(c, n, k, d));
+  std::mt19937_64 rng(seed);
+  const int64_t out_stride = d + (seed % 3 == 0 ? 5 : 0), src_stride = d + (seed % 2 ? 3 : 0);
+  Buf out = random_buf(c.dtype, static_cast<size_t>(std::max<int64_t>(n * out_stride, 1)), rng);
+  Buf src = random_buf(c.dtype, static_cast<size_t>(std::max<int64_t>(k * src_stride, 1)), rng);
+  std::vector<int64_t> iv = make_indices(pat, n, k, rng);
+  const int64_t ignore_value = c.ignore ? (n > 2 ? 1 : -1) : 0;
+  if (c.ignore)
+    for (int64_t i = 0; i < k; i += 3) iv[i] = ignore_value;
+  Idx idx = make_idx(c.itype, iv);
+  std::vector<float> w(static_cast<size_t>(k));
+  for (auto& x : w) x = std::uniform_real_distribution<float>(-1.5f, 1.5f)(rng);
+
+  std::vector<double> ref(static_cast<size_t>(n * d)), mag(static_cast<size_t>(n * d));
+  std::vector<int> cnt(static_cast<size_t>(n), 0);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < d; ++j) {
+      ref[r * d + j] = out.get(r * out_stride + j);
+      mag[r * d + j] = std::fabs(ref[r * d + j]);
+    }
+  for (int64_t i = 0; i < k; ++i) {
+    if (c.ignore && iv[i] == ignore_value) continue;
+    ++cnt[iv[i]];
+    for (int64_t j = 0; j < d; ++j) {
+      const double t = (c.weighted ? w[i] : 1.0) * src.get(i * src_stride + j);
+      ref[iv[i] * d + j] += t;
+      mag[iv[i] * d + j] += std::fabs(t);
+    }
+  }
+  Buf before = out;
+  sa::Options opt;
+  if (c.ignore) opt.ignore_index = ignore_value;
+  sa::WeightVector wv{c.weighted ? w.data() : nullptr, k, DType::f32};
+  sa::index_add_rows(mat(out, n, d, out_stride), idx.view(), cmat(src, k, d, src_stride), wv, opt);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < d; ++j) {
+      const double got = out.get(r * out_stride + j), want = ref[r * d + j];
+      const double tol = eps_of(c.dtype) * std::fabs(want) +
+                         (cnt[r] + 1) * acc_eps(c.dtype) * mag[r * d + j] * 2 + 1e-30;
+      ASSERT_LE(std::fabs(got - want), tol) << "row " << r << " col " << j;
+    }
+    // Padding between rows is never written.
+    for (int64_t j = d; j < out_stride; ++j)
+      ASSERT_EQ(out.get(r * out_stride + j), before.get(r * out_stride + j));
+  }
+}
+
+const DType kDtypes[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+const IndexType kItypes[] = {IndexType::i32, IndexType::i64};
+
+TEST(IndexAdd, ReportsIsa) {
+  std::printf("supported ISA: %s, active ISA: %s\n", sa::isa_name(sa::supported_isa()),
+              sa::isa_name(sa::active_isa()));
+}
+
+TEST(IndexAdd, MatchesFloat64ReferenceOnEveryCombination) {
+  struct Shape {
+    int64_t n, k, d;
+    Pattern p;
+  };
+  const Shape shapes[] = {{37, 80, 1, Pattern::uniform},   {64, 128, 17, Pattern::moe_topk},
+                          {1, 9, 33, Pattern::uniform},    {50, 0, 16, Pattern::uniform},
+                          {20, 60, 65, Pattern::all_equal}, {300, 600, 130, Pattern::moe_topk},
+                          {40, 200, 257, Pattern::hot_row}, {8, 24, 1000, Pattern::uniform}};
+  uint64_t seed = 1;
+  for (DType t : kDtypes)
+    for (IndexType it : kItypes)
+      for (bool w : {false, true})
+        for (bool ig : {false, true})
+          for (const Shape& s : shapes) check_index_add({t, it, w, ig}, s.n, s.k, s.d, s.p, seed++);
+}
+
+TEST(IndexAdd, DZeroAndKZeroAreNoOps) {
+  std::mt19937_64 rng(3);
+  Buf out = random_buf(DType::f32, 40, rng);
+  Buf before = out;
+  Buf src(DType::f32, 1);
+  Idx idx = make_idx(IndexType::i64, {});
+  sa::index_add_rows(mat(out, 10, 4, 4), idx.view(), cmat(src, 0, 4, 4));
+  Idx idx3 = make_idx(IndexType::i64, {1, 2, 3});
+  sa::index_add_rows(mat(out, 10, 0, 4), idx3.view(), cmat(src, 3, 0, 0));
+  EXPECT_EQ(out.bytes, before.bytes);
+}
+
+TEST(IndexAdd, Bf16AccumulatesInFloat32) {
+  // 256 additions of 1 to 256 in bf16 stay at 256 when summed in bf16 (ulp is 2), but the exact
+  // sum 512 is representable: only float32 accumulation gets it.
+  const int64_t k = 256;
+  Buf out(DType::bf16, 1), src(DType::bf16, k);
+  out.set(0, 256.0);
+  for (int64_t i = 0; i < k; ++i) src.set(i, 1.0);
+  Idx idx = make_idx(IndexType::i32, std::vector<int64_t>(k, 0));
+  sa::index_add_rows(mat(out, 1, 1, 1), idx.view(), cmat(src, k, 1, 1));
+  EXPECT_EQ(out.get(0), 512.0);
+}
+
+// Bitwise identical output for 1, 2, 3 and 8 threads and across repeated runs.
+TEST(Determinism, BitwiseAcrossThreadCountsAndRuns) {
+  for (DType t : kDtypes)
+    for (Pattern p : {Pattern::moe_topk, Pattern::hot_row, Pattern::all_equal, Pattern::uniform}) {
+      std::mt19937_64 rng(11);
+      const int64_t n = 257, k = 1500, d = 300;
+      const Buf out0 = random_buf(t, n * d, rng);
+      const Buf src = random_buf(t, k * d, rng);
+      Idx idx = make_idx(IndexType::i64, make_indices(p, n, k, rng));
+      std::vector<float> w(k, 0.37f);
+      std::vector<unsigned char> first;
+      for (int threads : {1, 2, 3, 8, 1, 8}) {
+        Buf out = out0;
+        sa::Options opt;
+        opt.num_threads = threads;
+        sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d), {w.data(), k, DType::f32}, opt);
+        if (first.empty()) first = out.bytes;
+        ASSERT_EQ(out.bytes, first) << sa::dtype_name(t) << " threads=" << threads;
+      }
+    }
+}
+
+TEST(Gather, MatchesReferenceWithWeightAndIgnore) {
+  for (DType t : kDtypes)
+    for (IndexType it : kItypes)
+      for (bool weighted : {false, true})
+        for (bool ig : {false, true}) {
+          std::mt19937_64 rng(5);
+          const int64_t n = 33, k = 70, d = 45;
+          const Buf x = random_buf(t, n * d, rng);
+          std::vector<int64_t> iv = make_indices(Pattern::uniform, n, k, rng);
+          if (ig) iv[3] = iv[10] = -7;
+          Idx idx = make_idx(it, iv);
+          std::vector<double> w(k);
+          for (auto& v : w) v = std::uniform_real_distribution<double>(-2, 2)(rng);
+          sa::WeightVector wv{weighted ? w.data() : nullptr, k, DType::f64};
+          sa::Options opt;
+          if (ig) opt.ignore_index = -7;
+          Buf dst = random_buf(t, k * d, rng);
+          sa::gather_rows(mat(dst, k, d, d), cmat(x, n, d, d), idx.view(), wv, opt);
+          // The same through a plan.
+          Buf dst2 = random_buf(t, k * d, rng);
+          const sa::Plan plan = sa::Plan::build(idx.view(), n, opt.ignore_index);
+          sa::gather_rows(mat(dst2, k, d, d), cmat(x, n, d, d), plan, wv, opt);
+          EXPECT_EQ(dst.bytes, dst2.bytes);
+          for (int64_t i = 0; i < k; ++i)
+            for (int64_t j = 0; j < d; ++j) {
+              double want = 0;
+              if (!(ig && iv[i] == -7)) {
+                want = x.get(iv[i] * d + j);
+                if (weighted) want *= (t == DType::f64 ? w[i] : static_cast<float>(w[i]));
+              }
+              ASSERT_NEAR(dst.get(i * d + j), want, eps_of(t) * std::fabs(want) * 2 + 1e-30)
+                  << sa::dtype_name(t) << " i=" << i << " j=" << j;
+            }
+        }
+}
+
+TEST(Plan, ReusedPlanGivesTheSameBitsAsTheIndex) {
+  std::mt19937_64 rng(9);
+  const int64_t n = 100, k = 400, d = 70;
+  Idx idx = make_idx(IndexType::i32, make_indices(Pattern::moe_topk, n, k, rng));
+  const Buf src = random_buf(DType::bf16, k * d, rng);
+  const Buf out0 = random_buf(DType::bf16, n * d, rng);
+  const sa::Plan plan = sa::Plan::build(idx.view(), n);
+  EXPECT_EQ(plan.num_distinct(), n);
+  EXPECT_EQ(plan.offsets().back(), k);
+  for (int rep = 0; rep < 3; ++rep) {
+    Buf a = out0, b = out0;
+    sa::index_add_rows(mat(a, n, d, d), idx.view(), cmat(src, k, d, d));
+    sa::index_add_rows(mat(b, n, d, d), plan, cmat(src, k, d, d));
+    ASSERT_EQ(a.bytes, b.bytes);
+  }
+  // Source ids within each row are in increasing order.
+  for (int64_t r = 0; r < plan.num_distinct(); ++r)
+    for (int64_t j = plan.offsets()[r] + 1; j < plan.offsets()[r + 1]; ++j)
+      ASSERT_LT(plan.sources()[j - 1], plan.sources()[j]);
+}
+
+TEST(Plan, SortPathForFewIndicesIntoManyRows) {
+  // N far above K takes the comparison-sort path; it must give the same plan as counting sort.
+  std::mt19937_64 rng(4);
+  const int64_t n = 1 << 20, k = 300;
+  Idx idx = make_idx(IndexType::i64, make_indices(Pattern::uniform, n, k, rng));
+  idx.values[7] = idx.values[8] = idx.values[100];
+  const sa::Plan a = sa::Plan::build(idx.view(), n);
+  const int64_t small_n = *std::max_element(idx.values.begin(), idx.values.end()) + 1;
+  const sa::Plan b = sa::Plan::build(idx.view(), small_n);  // counting sort
+  EXPECT_EQ(a.rows(), b.rows());
+  EXPECT_EQ(a.offsets(), b.offsets());
+  EXPECT_EQ(a.sources(), b.sources());
+}
+
+// --- bad input: an error naming the argument, and out left bit-for-bit unchanged -------------
+
+template <class F>
+void expect_error(F&& f, sa::Error::Kind kind, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "no error; expected one containing '" << needle << "'";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(BadInput, ErrorsNameTheArgumentAndLeaveOutUntouched) {
+  std::mt19937_64 rng(2);
+  const int64_t n = 10, k = 6, d = 8;
+  Buf out = random_buf(DType::f32, n * d, rng);
+  const Buf before = out;
+  Buf src = random_buf(DType::f32, k * d, rng);
+  Buf src_bf = random_buf(DType::bf16, k * d, rng);
+  Idx good = make_idx(IndexType::i64, {0, 1, 2, 3, 4, 5});
+  Idx bad = make_idx(IndexType::i64, {0, 1, 2, 3, 10, 5});
+  Idx neg = make_idx(IndexType::i32, {0, 1, -1, 3, 4, 5});
+  Idx shortidx = make_idx(IndexType::i64, {0, 1});
+  std::vector<float> w3(3, 1.f);
+  const auto O = mat(out, n, d, d);
+  const auto S = cmat(src, k, d, d);
+  using K = sa::Error::Kind;
+  expect_error([&] { sa::index_add_rows(O, bad.view(), S); }, K::index, "index[4] = 10");
+  expect_error([&] { sa::index_add_rows(O, neg.view(), S); }, K::index, "index[2] = -1");
+  sa::Options ig;
+  ig.ignore_index = -1;
+  expect_error([&] { sa::index_add_rows(O, bad.view(), S, {}, ig); }, K::index, "ignore_index = -1");
+  expect_error([&] { sa::index_add_rows(O, good.view(), cmat(src_bf, k, d, d)); }, K::value,
+               "src dtype bfloat16 does not match out dtype float32");
+  expect_error([&] { sa::index_add_rows(O, shortidx.view(), S); }, K::value, "index has 2 entries");
+  expect_error([&] { sa::index_add_rows(O, good.view(), cmat(src, k, d - 1, d)); }, K::value,
+               "src has 7 columns but out has 8");
+  expect_error([&] { sa::index_add_rows(O, good.view(), S, {w3.data(), 3, DType::f32}); }, K::value,
+               "weight has 3 entries");
+  expect_error([&] { sa::index_add_rows(O, good.view(), {nullptr, k, d, d, DType::f32}); }, K::value,
+               "src is null");
+  expect_error([&] { sa::index_add_rows({nullptr, n, d, d, DType::f32}, good.view(), S); }, K::value,
+               "out is null");
+  expect_error([&] { sa::index_add_rows(O, {nullptr, k, IndexType::i64}, S); }, K::value, "index is null");
+  // src overlapping out: the last rows of out used as src.
+  expect_error([&] { sa::index_add_rows(O, good.view(), cmat(out, k, d, d)); }, K::value,
+               "src memory overlaps out");
+  expect_error([&] { sa::index_add_rows({out.data(), n, d, d - 1, DType::f32}, good.view(), S); },
+               K::value, "row stride");
+  EXPECT_EQ(out.bytes, before.bytes);
+
+  // gather: dst untouched on error.
+  Buf dst = random_buf(DType::f32, k * d, rng);
+  const Buf dst_before = dst;
+  expect_error([&] { sa::gather_rows(mat(dst, k, d, d), cmat(out, n, d, d), bad.view()); }, K::index,
+               "index[4] = 10");
+  expect_error([&] { sa::gather_rows(mat(dst, k, d, d), cmat(dst, k, d, d), good.view()); }, K::value,
+               "x memory overlaps dst");
+  EXPECT_EQ(dst.bytes, dst_before.bytes);
+
+  // A plan for another shape is refused.
+  const sa::Plan plan = sa::Plan::build(good.view(), n + 1);
+  expect_error([&] { sa::index_add_rows(O, plan, S); }, K::value, "plan was built for 11 rows");
+  EXPECT_EQ(out.bytes, before.bytes);
+}
+
+TEST(Isa, EveryLevelUpToTheSupportedOneAgreesWithScalar) {
+  const sa::Isa saved = sa::active_isa();
+  std::mt19937_64 rng(21);
+  const int64_t n = 31, k = 90, d = 77;
+  for (DType t : kDtypes) {
+    const Buf out0 = random_buf(t, n * d, rng);
+    const Buf src = random_buf(t, k * d, rng);
+    Idx idx = make_idx(IndexType::i64, make_indices(Pattern::uniform, n, k, rng));
+    std::vector<Buf> results;
+    for (sa::Isa isa : {sa::Isa::scalar, sa::Isa::avx2, sa::Isa::avx512, sa::Isa::avx512_bf16}) {
+      if (static_cast<int>(isa) > static_cast<int>(sa::supported_isa())) continue;
+      ASSERT_EQ(sa::set_isa(isa), isa);
+      Buf out = out0;
+      sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d));
+      results.push_back(out);
+    }
+    // Unweighted sums do the same float additions in the same order on every level.
+    for (const Buf& r : results)
+      for (size_t i = 0; i < r.size(); ++i)
+        ASSERT_EQ(r.get(i), results[0].get(i)) << sa::dtype_name(t) << " element " << i;
+  }
+  sa::set_isa(saved);
+}
+
+TEST(Convert, HalfAndBf16RoundTripAndRounding) {
+  // Every fp16 bit pattern survives f16 -> f32 -> f16 (NaNs stay NaN).
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = sa::cpu::f16_to_f32(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(sa::cpu::f32_to_f16(f), h) << std::hex << h;
+  }
+  EXPECT_EQ(sa::cpu::f32_to_f16(65520.f), 0x7C00);          // rounds to inf
+  EXPECT_EQ(sa::cpu::f32_to_f16(65519.f), 0x7BFF);          // rounds to max
+  EXPECT_EQ(sa::cpu::f32_to_f16(std::ldexp(1.f, -25)), 0);  // tie to even: zero
+  EXPECT_EQ(sa::cpu::f32_to_bf16(1.0f + std::ldexp(1.f, -8)), 0x3F80);  // tie to even, down
+  EXPECT_EQ(sa::cpu::f32_to_bf16(std::nanf("")), 0x7FC0);
+}
+
+}  // namespace
