@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""`make bench`: scatter-add against what a PyTorch user would otherwise use, on this machine.
+
+1. Op benchmark at MoE shapes: out[index[i]] += src[i] with D in {2048, 4096}, tokens N in
+   {512, 2048, 8192, 32768}, top-2 (K = 2N), bf16 and f32, index distributions moe_top2 / uniform /
+   hot_row. Ours (int32 index, the hub kernel's) against torch index_add_ (int64 and int32 index),
+   scatter_add_ with an expanded index, torch.compile'd index_add, torch_scatter (if installed) and
+   np.add.at. Each row: median ms, GB/s and % of a stream ceiling measured in this run, our speedup,
+   max error against a float64 reference, and bitwise reproducibility across 1 and 2 threads.
+   Bytes moved (the floor): K*D*s (src read) + 2*R*D*s (each touched row read and written once) +
+   K*4 (int32 index), R = number of distinct destination rows, s = element size.
+2. MoE layer benchmark: a Mixtral-style sparse MoE block (router softmax, top-2, SwiGLU experts,
+   static capacity) compiled whole with torch.compile, combine by our op vs native index_add_.
+3. results/bench.json (every figure, machine, torch, git commit) and PNG plots in results/.
+
+    .venv/bin/python benchmarks/bench_torch.py [--quick] [--mixtral] [--out DIR]
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_moe import MoEBench  # noqa: E402
+
+NP_ADD_AT_MAX_ELEMENTS = 1 << 25  # np.add.at runs ~60 M elements/s here: above this, skipped
+
+
+def load_ours():
+    import kernels
+
+    return kernels.get_local_kernel(ROOT)
+
+
+class Progress:
+    def __init__(self, total, label):
+        self.total, self.done, self.label, self.t0 = total, 0, label, time.time()
+
+    def step(self, what):
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        el = time.time() - self.t0
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{el:5.0f}s {what:<40.40}")
+        sys.stderr.flush()
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+def timeit(fn, budget=0.3, min_reps=3, max_reps=30):
+    fn()  # warm-up
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < budget and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if times[-1] > 2.0 and len(times) >= 1:  # one slow call is its own median
+            break
+    return statistics.median(times)
+
+
+def stream_ceiling_gbs():
+    """a += b over float32 buffers far larger than the last-level cache; 3 * bytes per pass."""
+    n = 64 << 20
+    a = torch.ones(n)
+    b = torch.full((n,), 2.0)
+    s = timeit(lambda: a.add_(b), budget=1.0)
+    return 3 * n * 4 / s / 1e9
+
+
+def make_index(dist, n, k, gen):
+    if dist == "moe_top2":  # every token routed twice; source rows come expert-sorted (shuffled)
+        idx = torch.arange(k) % n
+        return idx[torch.randperm(k, generator=gen)]
+    if dist == "uniform":
+        return torch.randint(0, n, (k,), generator=gen)
+    hot = torch.randint(0, n, (k,), generator=gen)  # hot_row: 90% of rows into row 0
+    hot[torch.rand(k, generator=gen) < 0.9] = 0
+    return hot
+
+
+def peers(sa, compiled_index_add, torch_scatter):
+    """name -> (setup(x, idx64, idx32, src) -> callable that updates and returns its output)."""
+    def ours(x, i64, i32, s):
+        return lambda: sa.scatter_add(x, i32, s)
+
+    def torch_i64(x, i64, i32, s):
+        return lambda: x.index_add_(0, i64, s)
+
+    def torch_i32(x, i64, i32, s):
+        return lambda: x.index_add_(0, i32, s)
+
+    def scatter_add_(x, i64, i32, s):
+        e = i64[:, None].expand(-1, s.shape[1])
+        return lambda: x.scatter_add_(0, e, s)
+
+    def compiled(x, i64, i32, s):
+        return lambda: compiled_index_add(x, i64, s)
+
+    def np_add_at(x, i64, i32, s):
+        if x.dtype == torch.bfloat16:
+            return None
+        if s.numel() > NP_ADD_AT_MAX_ELEMENTS:
+            return "skipped"
+        xn, sn, inp = x.numpy(), s.numpy(), i64.numpy()
+
+        def run():
+            np.add.at(xn, inp, sn)
+            return x
+        return run
+
+    out = {"ours": ours, "torch_index_add_i64": torch_i64, "torch_index_add_i32": torch_i32,
+           "torch_scatter_add_": scatter_add_, "torch_compile_index_add": compiled}
+    if torch_scatter is not None:
+        def ts(x, i64, i32, s):
+            return lambda: torch_scatter.scatter_add(s, i64, dim=0, out=x)
+        out["torch_scatter"] = ts
+    out["np_add_at"] = np_add_at
+    return out
+
+
+def op_benchmark(sa, args, ceiling):
+    compiled_index_add = torch.compile(lambda x, i, s: x.index_add(0, i, s), dynamic=True)
+    try:
+        import torch_scatter  # noqa: F401
+        ts_note = f"torch_scatter {torch_scatter.__version__}"
+    except Exception as e:  # noqa: BLE001
+        torch_scatter = None
+        ts_note = f"torch_scatter unavailable ({type(e).__name__}: {e}); see docs/benchmarks.md"
+    print(f"peers: {ts_note}")
+    methods = peers(sa, compiled_index_add, torch_scatter)
+    ds = [2048] if args.quick else [2048, 4096]
+    ns = [512] if args.quick else [512, 2048, 8192, 32768]
+    dists = ["moe_top2", "hot_row"] if args.quick else ["moe_top2", "uniform", "hot_row"]
+    dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    configs = [(dt, d, n, dist) for dt in dtypes for d in ds for n in ns for dist in dists]
+    prog = Progress(len(configs), "op bench")
+    rows = []
+    threads = torch.get_num_threads()
+    for dt, d, n, dist in configs:
+        gen = torch.Generator().manual_seed(n * 7 + d)
+        k = 2 * n
+        i64 = make_index(dist, n, k, gen)
+        i32 = i64.to(torch.int32)
+        src = torch.randn(k, d, generator=gen).to(dt)
+        x0 = torch.randn(n, d, generator=gen).to(dt)
+        ref = x0.double().index_add_(0, i64, src.double())
+        r = int(torch.unique(i64).numel())
+        es = src.element_size()
+        nbytes = k * d * es + 2 * r * d * es + k * 4
+        row = {"dtype": str(dt).replace("torch.", ""), "D": d, "N": n, "K": k, "dist": dist, "R": r,
+               "bytes": nbytes, "methods": {}}
+        for name, setup in methods.items():
+            res = {}
+            x = x0.clone()
+            fn = setup(x, i64, i32, src)
+            if fn is None or fn == "skipped":
+                res["note"] = "no bfloat16 in numpy" if fn is None else \
+                    f"skipped: K*D > 2^{int(math.log2(NP_ADD_AT_MAX_ELEMENTS))} (~{src.numel() / 6e7:.0f} s a call)"
+                row["methods"][name] = res
+                continue
+            # accuracy and reproducibility: one call from x0 at 2 threads, one at 1 thread
+            outs = []
+            for t in (threads, 1):
+                torch.set_num_threads(t)
+                x.copy_(x0)
+                outs.append(fn().clone())
+            torch.set_num_threads(threads)
+            res["max_err"] = float((outs[0].double() - ref).abs().max())
+            res["bitwise_reproducible"] = bool(torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8)))
+            x.copy_(x0)
+            s = timeit(fn)
+            res["ms"] = s * 1e3
+            res["gbs"] = nbytes / s / 1e9
+            res["pct_ceiling"] = 100 * res["gbs"] / ceiling
+            row["methods"][name] = res
+            del fn
+        ours_ms = row["methods"]["ours"]["ms"]
+        for name, res in row["methods"].items():
+            if "ms" in res:
+                res["ours_speedup"] = res["ms"] / ours_ms
+        rows.append(row)
+        prog.step(f"{row['dtype']} D={d} N={n} {dist}")
+    return rows, ts_note
+
+
+def print_op_table(rows, ceiling):
+    names = list(rows[0]["methods"].keys())
+    short = {"ours": "ours", "torch_index_add_i64": "ia_i64", "torch_index_add_i32": "ia_i32",
+             "torch_scatter_add_": "scatter_", "torch_compile_index_add": "compiled", "torch_scatter": "t_scatter",
+             "np_add_at": "np.add.at"}
+    print(f"\nOp benchmark: ms (speedup of ours over it) | stream ceiling {ceiling:.1f} GB/s | "
+          f"det = bitwise same at 1 and 2 threads")
+    head = f"{'dtype':5} {'D':>5} {'N':>6} {'dist':8} {'ours ms':>8} {'GB/s':>6} {'%ceil':>6} {'err':>8} {'det':>3} |"
+    for nm in names[1:]:
+        head += f" {short.get(nm, nm):>17}"
+    print(head)
+    for r in rows:
+        o = r["methods"]["ours"]
+        line = (f"{r['dtype'][:5]:5} {r['D']:>5} {r['N']:>6} {r['dist']:8} {o['ms']:8.2f} {o['gbs']:6.1f} "
+                f"{o['pct_ceiling']:5.0f}% {o['max_err']:8.1e} {'yes' if o['bitwise_reproducible'] else 'NO':>3} |")
+        for nm in names[1:]:
+            m = r["methods"][nm]
+            if "ms" in m:
+                cell = f"{m['ms']:.1f}({m['ours_speedup']:.1f}x){'' if m['bitwise_reproducible'] else '*'}"
+            else:
+                cell = "n/a" if "numpy" in m.get("note", "") else "skip"
+            line += f" {cell:>17}"
+        print(line)
+    print("* = not bitwise reproducible across 1 and 2 threads. skip = np.add.at above 2^25 elements.")
+    print("max error against float64 (ours | peers at the same dtype):")
+    for r in rows:
+        errs = " ".join(f"{short.get(k, k)}={v['max_err']:.1e}" for k, v in r["methods"].items() if "max_err" in v)
+        print(f"  {r['dtype'][:5]} D={r['D']} N={r['N']} {r['dist']}: {errs}")
+
+
+def plots(rows, moe_rows, ceiling, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"plots skipped: {e}")
+        return []
+    files = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, dt in zip(axes, ["bfloat16", "float32"]):
+        sel = [r for r in rows if r["dtype"] == dt and r["dist"] == "moe_top2"]
+        for d in sorted({r["D"] for r in sel}):
+            pts = sorted((r["N"], r) for r in sel if r["D"] == d)
+            for nm in pts[0][1]["methods"]:
+                if nm == "ours":
+                    continue
+                xs = [n for n, r in pts if "ours_speedup" in r["methods"][nm]]
+                ys = [r["methods"][nm]["ours_speedup"] for n, r in pts if "ours_speedup" in r["methods"][nm]]
+                if xs:
+                    ax.plot(xs, ys, marker="o", label=f"vs {nm} D={d}")
+        ax.axhline(1.0, color="gray", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N (K = 2N, top-2)")
+        ax.set_ylabel("speedup of ours (x)")
+        ax.set_title(f"MoE combine, {dt}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    p = out_dir / "speedup_vs_tokens.png"
+    fig.savefig(p, dpi=110)
+    files.append(str(p))
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    labels = [f"{r['dtype'][:4]} D{r['D']} N{r['N']} {r['dist'][:3]}" for r in rows]
+    for nm in ["ours", "torch_index_add_i64", "torch_index_add_i32", "torch_compile_index_add"]:
+        ax.plot(range(len(rows)), [r["methods"][nm].get("gbs", float("nan")) for r in rows], marker=".", label=nm)
+    ax.axhline(ceiling, color="red", ls="--", label=f"stream ceiling {ceiling:.1f} GB/s")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    ax.set_ylabel("GB/s (bytes moved floor / time)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out_dir / "gbs_vs_shape.png"
+    fig.savefig(p, dpi=110)
+    files.append(str(p))
+    plt.close(fig)
+
+    if moe_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([m["tokens"] for m in moe_rows], [m["layer_speedup"] for m in moe_rows], marker="o", label="layer")
+        ax.plot([m["tokens"] for m in moe_rows], [m["combine_speedup"] for m in moe_rows], marker="o", label="combine")
+        ax.axhline(1.0, color="gray", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("speedup of ours (x)")
+        ax.set_title("Mixtral-style MoE block, torch.compile'd")
+        ax.legend()
+        fig.tight_layout()
+        p = out_dir / "moe_layer_speedup.png"
+        fig.savefig(p, dpi=110)
+        files.append(str(p))
+        plt.close(fig)
+    return files
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small subset (make test runs it)")
+    ap.add_argument("--mixtral", action="store_true", help="MoE layer at hidden 4096, intermediate 14336")
+    ap.add_argument("--out", default=str(ROOT / "results"), help="directory for bench.json and plots")
+    ap.add_argument("--skip-moe", action="store_true")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    sa = load_ours()
+    t0 = time.time()
+    ceiling = stream_ceiling_gbs()
+    print(f"scatter-add benchmark | {cpu_model()} | {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} | "
+          f"torch {torch.__version__} | stream ceiling (a += b) {ceiling:.1f} GB/s")
+    rows, ts_note = op_benchmark(sa, args, ceiling)
+    print_op_table(rows, ceiling)
+    moe_rows = []
+    if not args.skip_moe:
+        moe = MoEBench(sa, mixtral=args.mixtral, quick=args.quick)
+        moe_rows = moe.run(Progress)
+        moe.print_table(moe_rows)
+    files = plots(rows, moe_rows, ceiling, out_dir)
+    result = {
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "platform": platform.platform()},
+        "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": args.quick,
+        "stream_ceiling_gbs": ceiling, "peers_note": ts_note, "op_benchmark": rows, "moe_layer": moe_rows,
+        "plots": files, "wall_s": time.time() - t0,
+    }
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out_dir / 'bench.json'} and {len(files)} plots in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

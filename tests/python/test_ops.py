@@ -1,0 +1,206 @@
+"""Correctness of scatter_add / index_add / gather against torch computed in float64, every
+dtype x index dtype x weight x ignore_index, non-contiguous views, determinism, and bad input
+(the right exception, a message naming the argument, and input left bit-for-bit untouched)."""
+import itertools
+
+import pytest
+import torch
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12)}
+
+
+def make_case(n, k, d, dtype, index_dtype, device, *, seed=0, weighted=False, ignore=None, dup="random"):
+    g = torch.Generator().manual_seed(seed)
+    inp = torch.randn(n, d, generator=g).to(dtype).to(device)
+    src = torch.randn(k, d, generator=g).to(dtype).to(device)
+    if dup == "topk":  # every token twice, expert-sorted order
+        index = torch.arange(k) % n
+        index = index[torch.randperm(k, generator=g)]
+    elif dup == "same":
+        index = torch.full((k,), n // 2)
+    else:
+        index = torch.randint(0, n, (k,), generator=g)
+    if ignore is not None:
+        index[::3] = ignore
+    weight = torch.rand(k, generator=g).to(device) if weighted else None
+    return inp, index.to(index_dtype).to(device), src, weight
+
+
+def reference(inp, index, src, weight=None, ignore=None):
+    keep = torch.ones_like(index, dtype=torch.bool) if ignore is None else index != ignore
+    contrib = src.double()
+    if weight is not None:
+        contrib = contrib * weight.double()[:, None]
+    return inp.double().index_add(0, index[keep].long(), contrib[keep])
+
+
+def torch_same_dtype(inp, index, src, weight=None, ignore=None):
+    """What a user would write in torch at the op's own precision."""
+    keep = torch.ones_like(index, dtype=torch.bool) if ignore is None else index != ignore
+    contrib = src if weight is None else src * weight.to(src.dtype)[:, None]
+    return inp.index_add(0, index[keep].long(), contrib[keep])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["noweight", "weight"])
+@pytest.mark.parametrize("ignore", [None, -1, 0], ids=["noignore", "ignore-1", "ignore0"])
+def test_index_add_matches_float64_reference(sa, device, dtype, index_dtype, weighted, ignore):
+    for seed, (n, k, d, dup) in enumerate([(64, 128, 96, "topk"), (7, 300, 33, "random"), (1, 5, 17, "same"),
+                                           (50, 0, 8, "random"), (300, 600, 1, "random")]):
+        inp, index, src, weight = make_case(n, k, d, dtype, index_dtype, device, seed=seed, weighted=weighted,
+                                            ignore=ignore, dup=dup)
+        ref = reference(inp, index, src, weight, ignore)
+        ours = sa.index_add(inp, index, src, weight=weight, ignore_index=ignore)
+        assert ours.dtype == dtype and ours.shape == inp.shape
+        err = (ours.double() - ref).abs().max().item() if ours.numel() else 0.0
+        if dtype in TOL:
+            atol, rtol = TOL[dtype]
+            torch.testing.assert_close(ours.double(), ref, atol=atol * max(1, k), rtol=rtol)
+        else:
+            # bf16/fp16: no worse than torch's own error at the same dtype.
+            theirs = torch_same_dtype(inp, index, src, weight, ignore)
+            torch_err = (theirs.double() - ref).abs().max().item() if ours.numel() else 0.0
+            assert err <= torch_err + 1e-12, (err, torch_err, n, k, d)
+        # The in-place form gives the same bits and returns input.
+        inp2 = inp.clone()
+        ret = sa.scatter_add(inp2, index, src, weight=weight, ignore_index=ignore)
+        assert ret is inp2
+        assert torch.equal(inp2, ours)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bf16_like_dtypes_accumulate_in_float32(sa, dtype):
+    # 256 + 256 * 1: exact in every dtype; a low-precision running sum stalls at 256 (bf16).
+    inp = torch.full((1, 4), 256.0, dtype=dtype)
+    src = torch.ones(256, 4, dtype=dtype)
+    out = sa.index_add(inp, torch.zeros(256, dtype=torch.int32), src)
+    assert torch.all(out == 512)
+
+
+def test_gather_matches_indexing(sa, device):
+    for dtype, index_dtype in itertools.product(DTYPES, [torch.int32, torch.int64]):
+        x = torch.randn(20, 37).to(dtype).to(device)
+        index = torch.randint(0, 20, (50,)).to(index_dtype).to(device)
+        assert torch.equal(sa.gather(x, index), x[index.long()])
+        w = torch.rand(50, device=device)
+        torch.testing.assert_close(sa.gather(x, index, weight=w).double(),
+                                   (x.double() * 1)[index.long()] * w.double()[:, None],
+                                   atol=1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-6, rtol=1e-2)
+        index[5] = -1
+        g = sa.gather(x, index, ignore_index=-1)
+        assert torch.all(g[5] == 0)
+        keep = index != -1
+        assert torch.equal(g[keep], x[index[keep].long()])
+
+
+def test_non_contiguous_views(sa):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(40, 64, generator=g)
+    inp = base[:, 8:40]                 # row stride 64 > D = 32
+    src_t = torch.randn(32, 50, generator=g).t()  # [50, 32] with column stride 50
+    index = torch.randint(0, 40, (100,), generator=g)[::2]  # non-contiguous index of 50
+    ref = reference(inp, index, src_t)
+    before = base.clone()
+    sa.scatter_add(inp, index, src_t)
+    torch.testing.assert_close(inp.double(), ref, atol=1e-5, rtol=1e-5)
+    # columns outside the view are untouched
+    assert torch.equal(base[:, :8], before[:, :8]) and torch.equal(base[:, 40:], before[:, 40:])
+    # a transposed (column-strided) input is updated correctly too
+    inp_t = torch.randn(32, 40, generator=g).t()
+    ref_t = reference(inp_t, index, src_t)
+    sa.scatter_add(inp_t, index, src_t)
+    torch.testing.assert_close(inp_t.double(), ref_t, atol=1e-5, rtol=1e-5)
+    # gather from a strided view
+    assert torch.equal(sa.gather(inp, index), inp[index])
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8).clone() if t.numel() else t.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic_across_threads_and_runs(sa, dtype):
+    inp, index, src, weight = make_case(500, 4000, 257, dtype, torch.int64, "cpu", seed=9, weighted=True)
+    hot = index.clone()
+    hot[: 3000] = 7  # a hot row split across threads by columns
+    saved = torch.get_num_threads()
+    try:
+        for idx in (index, hot):
+            results = []
+            for threads in (1, 2, 1, 2):
+                torch.set_num_threads(threads)
+                results.append(bits(sa.index_add(inp, idx, src, weight=weight)))
+            for r in results[1:]:
+                assert torch.equal(r, results[0])
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_empty_and_edge_shapes(sa):
+    inp = torch.randn(5, 0)
+    assert sa.index_add(inp, torch.tensor([1, 2]), torch.randn(2, 0)).shape == (5, 0)
+    inp = torch.randn(5, 3)
+    assert torch.equal(sa.index_add(inp, torch.tensor([], dtype=torch.long), torch.randn(0, 3)), inp)
+    assert sa.gather(inp, torch.tensor([], dtype=torch.int32)).shape == (0, 3)
+
+
+def bad_inputs():
+    """(name, kwargs-builder, exception, message fragment)."""
+    def base(**over):
+        d = dict(input=torch.randn(6, 4), index=torch.tensor([0, 5, 2]), src=torch.randn(3, 4), weight=None,
+                 ignore_index=None)
+        d.update(over)
+        return d
+    return [
+        ("index out of range", base(index=torch.tensor([0, 6, 2])), IndexError, "index[1] = 6"),
+        ("negative index", base(index=torch.tensor([0, -1, 2])), IndexError, "index[1] = -1"),
+        ("index dtype", base(index=torch.tensor([0.0, 1.0, 2.0])), RuntimeError, "index must be int32 or int64"),
+        ("index 2-D", base(index=torch.tensor([[0, 1, 2]])), ValueError, "index must be 1-D"),
+        ("src dtype", base(src=torch.randn(3, 4, dtype=torch.float64)), RuntimeError, "src dtype"),
+        ("src rows", base(src=torch.randn(4, 4)), ValueError, "src has 4 rows but index has 3"),
+        ("src cols", base(src=torch.randn(3, 5)), ValueError, "src has 5 columns but input has 4"),
+        ("input 1-D", base(input=torch.randn(6)), ValueError, "input must be 2-D"),
+        ("input int", base(input=torch.zeros(6, 4, dtype=torch.int32), src=torch.zeros(3, 4, dtype=torch.int32)),
+         ValueError, "input must be float32"),
+        ("weight size", base(weight=torch.rand(2)), ValueError, "weight must be 1-D with 3 entries"),
+        ("weight int", base(weight=torch.ones(3, dtype=torch.long)), RuntimeError, "weight must be a float"),
+        ("ignore_index type", base(ignore_index=1.5), TypeError, "ignore_index"),
+    ]
+
+
+@pytest.mark.parametrize("case", bad_inputs(), ids=lambda c: c[0])
+def test_bad_input_raises_and_leaves_input_untouched(sa, case):
+    _, kw, exc, fragment = case
+    before = bits(kw["input"])
+    with pytest.raises(exc, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        sa.scatter_add(kw["input"], kw["index"], kw["src"], weight=kw["weight"], ignore_index=kw["ignore_index"])
+    assert torch.equal(bits(kw["input"]), before)
+
+
+def test_overlap_is_refused(sa):
+    buf = torch.randn(10, 4)
+    before = bits(buf)
+    with pytest.raises(ValueError, match="src memory overlaps input"):
+        sa.scatter_add(buf[:6], torch.tensor([0, 1, 2]), buf[5:8])
+    assert torch.equal(bits(buf), before)
+
+
+@pytest.mark.parametrize("lnc", [0, -2, 1.5, "2", True])
+def test_bad_lnc(sa, lnc):
+    with pytest.raises(ValueError, match="lnc must be a positive int"):
+        sa.scatter_add(torch.zeros(2, 2), torch.tensor([0]), torch.ones(1, 2), lnc=lnc)
+    with pytest.raises(ValueError, match="lnc must be a positive int"):
+        sa.ScatterAdd(lnc=lnc)
+
+
+def test_nan_and_inf_propagate_like_torch(sa):
+    inp = torch.zeros(3, 4)
+    src = torch.tensor([[float("nan"), 1, float("inf"), -float("inf")], [1, 1, float("inf"), 1]])
+    index = torch.tensor([1, 1])
+    ours = sa.index_add(inp, index, src)
+    theirs = inp.index_add(0, index, src)
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    keep = ~theirs.isnan()
+    assert torch.equal(ours[keep], theirs[keep])
