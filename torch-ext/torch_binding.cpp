@@ -17,6 +17,13 @@
 
 #include "scatter_add/scatter_add.h"
 
+#if defined(SCATTER_ADD_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "scatter_add_cuda.h"
+#endif
+
 #ifndef TORCH_EXTENSION_NAME
 #error "compile with -DTORCH_EXTENSION_NAME=<per-build op namespace>"
 #endif
@@ -147,9 +154,11 @@ sa::Options options_of(const c10::optional<int64_t>& ignore_index) {
   return o;
 }
 
-void scatter_add_cpu(const Tensor& input, const Tensor& index, const Tensor& src,
-                     const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
-  const char* op = "scatter_add";
+// The tensor-level work shared by every backend: checks, views, the in-place copy-back; `core`
+// runs the kernel on raw views: core(out, index, src_or_x, weight).
+template <class Core>
+void scatter_add_into(const char* op, const Tensor& input, const Tensor& index, const Tensor& src,
+                      const c10::optional<Tensor>& weight, Core&& core) {
   check_args(op, input, index, &src, weight);
   check_no_overlap(op, input, "input", src, "src");
   check_no_overlap(op, input, "input", index, "index");
@@ -160,37 +169,88 @@ void scatter_add_cpu(const Tensor& input, const Tensor& index, const Tensor& src
   // A non-unit column stride in input: work on a contiguous copy, then copy back.
   const bool direct = unit_columns(input);
   Tensor out = direct ? input : input.contiguous();
-  call_core(op, [&] {
-    sa::index_add_rows(matrix_of(out), index_of(idx), matrix_of(s), weight_of(w), options_of(ignore_index));
-  });
+  call_core(op, [&] { core(matrix_of(out), index_of(idx), matrix_of(s), weight_of(w)); });
   if (!direct) input.copy_(out);
+}
+
+template <class Core>
+Tensor gather_from(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight, Core&& core) {
+  check_args("gather", input, index, nullptr, weight);
+  const Tensor x = rows_view(input);
+  const Tensor idx = index.contiguous();
+  const c10::optional<Tensor> w = weight ? c10::optional<Tensor>(weight->contiguous()) : c10::nullopt;
+  Tensor dst = at::empty({index.size(0), input.size(1)}, input.options());
+  call_core("gather", [&] { core(matrix_of(dst), index_of(idx), matrix_of(x), weight_of(w)); });
+  return dst;
+}
+
+void scatter_add_cpu(const Tensor& input, const Tensor& index, const Tensor& src,
+                     const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
+  scatter_add_into("scatter_add", input, index, src, weight, [&](auto o, auto i, auto s, auto w) {
+    sa::index_add_rows(o, i, s, w, options_of(ignore_index));
+  });
 }
 
 Tensor index_add_cpu(const Tensor& input, const Tensor& index, const Tensor& src,
                      const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
   check_args("index_add", input, index, &src, weight);
   Tensor out = input.clone(at::MemoryFormat::Contiguous);
-  const Tensor s = rows_view(src);
-  const Tensor idx = index.contiguous();
-  const c10::optional<Tensor> w = weight ? c10::optional<Tensor>(weight->contiguous()) : c10::nullopt;
-  call_core("index_add", [&] {
-    sa::index_add_rows(matrix_of(out), index_of(idx), matrix_of(s), weight_of(w), options_of(ignore_index));
-  });
+  scatter_add_cpu(out, index, src, weight, ignore_index);
   return out;
 }
 
 Tensor gather_cpu(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight,
                   c10::optional<int64_t> ignore_index) {
-  check_args("gather", input, index, nullptr, weight);
-  const Tensor x = rows_view(input);
-  const Tensor idx = index.contiguous();
-  const c10::optional<Tensor> w = weight ? c10::optional<Tensor>(weight->contiguous()) : c10::nullopt;
-  Tensor dst = at::empty({index.size(0), input.size(1)}, input.options());
-  call_core("gather", [&] {
-    sa::gather_rows(matrix_of(dst), matrix_of(x), index_of(idx), weight_of(w), options_of(ignore_index));
+  return gather_from(input, index, weight, [&](auto d, auto i, auto x, auto w) {
+    sa::gather_rows(d, x, i, w, options_of(ignore_index));
   });
-  return dst;
 }
+
+#if defined(SCATTER_ADD_CUDA)
+// CUDA: weights converted to the accumulator dtype, a workspace from torch's caching allocator,
+// the current stream.
+c10::optional<Tensor> acc_weight(const c10::optional<Tensor>& w, const Tensor& data) {
+  if (!w) return w;
+  return w->to(data.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+}
+
+Tensor cuda_workspace(const Tensor& index, int64_t rows) {
+  const size_t bytes = sa::cuda::workspace_bytes(index.numel(), rows);
+  return at::empty({static_cast<int64_t>(bytes)}, index.options().dtype(at::kByte));
+}
+
+void scatter_add_cuda(const Tensor& input, const Tensor& index, const Tensor& src,
+                      const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_args("scatter_add", input, index, &src, weight);
+  const auto w = acc_weight(weight, input);
+  Tensor ws = cuda_workspace(index, input.size(0));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  scatter_add_into("scatter_add", input, index, src, w, [&](auto o, auto i, auto s, auto wv) {
+    sa::cuda::index_add_rows(o, i, s, wv, ignore_index, ws.data_ptr(), ws.numel(), stream);
+  });
+}
+
+Tensor index_add_cuda(const Tensor& input, const Tensor& index, const Tensor& src,
+                      const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
+  check_args("index_add", input, index, &src, weight);
+  Tensor out = input.clone(at::MemoryFormat::Contiguous);
+  scatter_add_cuda(out, index, src, weight, ignore_index);
+  return out;
+}
+
+Tensor gather_cuda(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight,
+                   c10::optional<int64_t> ignore_index) {
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_args("gather", input, index, nullptr, weight);
+  const auto w = acc_weight(weight, input);
+  Tensor ws = cuda_workspace(index, input.size(0));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  return gather_from(input, index, w, [&](auto d, auto i, auto x, auto wv) {
+    sa::cuda::gather_rows(d, x, i, wv, ignore_index, ws.data_ptr(), ws.numel(), stream);
+  });
+}
+#endif
 
 // Meta: shapes and dtypes only, the same checks as the real kernels.
 void scatter_add_meta(const Tensor& input, const Tensor& index, const Tensor& src,

@@ -4,7 +4,10 @@
 // CTest runs it once per forced ISA level (SCATTER_ADD_CPU_ISA); `ctest --test-dir .build/release`.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <thread>
 #include <cstring>
 #include <random>
 #include <string>
@@ -415,6 +418,78 @@ TEST(Convert, HalfAndBf16RoundTripAndRounding) {
   EXPECT_EQ(sa::cpu::f32_to_f16(std::ldexp(1.f, -25)), 0);  // tie to even: zero
   EXPECT_EQ(sa::cpu::f32_to_bf16(1.0f + std::ldexp(1.f, -8)), 0x3F80);  // tie to even, down
   EXPECT_EQ(sa::cpu::f32_to_bf16(std::nanf("")), 0x7FC0);
+}
+
+}  // namespace
+
+// --- thread safety and huge tensors -------------------------------------------------------------
+
+namespace {
+
+TEST(ThreadSafety, SixteenConcurrentCallersGetTheSerialBits) {
+  const int callers = 16;
+  const int64_t n = 97, k = 400, d = 130;
+  std::mt19937_64 rng(31);
+  std::vector<Buf> srcs, outs0;
+  std::vector<Idx> idxs;
+  std::vector<std::vector<float>> ws;
+  for (int c = 0; c < callers; ++c) {
+    const DType t = kDtypes[c % 4];
+    srcs.push_back(random_buf(t, k * d, rng));
+    outs0.push_back(random_buf(t, n * d, rng));
+    idxs.push_back(make_idx(c % 2 ? IndexType::i32 : IndexType::i64, make_indices(Pattern::moe_topk, n, k, rng)));
+    ws.emplace_back(k, 0.25f * (c + 1));
+  }
+  auto run = [&](int c, Buf* out, Buf* gathered) {
+    sa::Options opt;
+    opt.num_threads = 1 + c % 3;  // nested team sizes vary too
+    const sa::WeightVector w{ws[c].data(), k, DType::f32};
+    sa::index_add_rows(mat(*out, n, d, d), idxs[c].view(), cmat(srcs[c], k, d, d), w, opt);
+    sa::gather_rows(mat(*gathered, k, d, d), cmat(*out, n, d, d), idxs[c].view(), w, opt);
+  };
+  std::vector<Buf> serial_out = outs0, serial_g;
+  for (int c = 0; c < callers; ++c) {
+    serial_g.emplace_back(srcs[c].dtype, static_cast<size_t>(k * d));
+    run(c, &serial_out[c], &serial_g[c]);
+  }
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Buf> outs = outs0, gs;
+    for (int c = 0; c < callers; ++c) gs.emplace_back(srcs[c].dtype, static_cast<size_t>(k * d));
+    std::vector<std::thread> threads;
+    for (int c = 0; c < callers; ++c) threads.emplace_back(run, c, &outs[c], &gs[c]);
+    for (auto& t : threads) t.join();
+    for (int c = 0; c < callers; ++c) {
+      ASSERT_EQ(outs[c].bytes, serial_out[c].bytes) << "caller " << c;
+      ASSERT_EQ(gs[c].bytes, serial_g[c].bytes) << "caller " << c;
+    }
+  }
+}
+
+// Offsets past 2^31 elements: a bf16 out of N*D > 2^31 (4.3 GB, allocated lazily by calloc so
+// only the touched pages exist), rows written near its end, gathered back.
+TEST(HugeTensors, IndicesIntoMoreThan2To31Elements) {
+  const int64_t d = 32768, n = (int64_t(1) << 31) / d + 64;  // N*D = 2^31 + 2^21
+  ASSERT_GT(n * d, int64_t(1) << 31);
+  void* raw = std::calloc(static_cast<size_t>(n * d), 2);
+  if (raw == nullptr) GTEST_FAIL() << "could not reserve " << n * d * 2 << " bytes";
+  const sa::Matrix out{raw, n, d, d, DType::bf16};
+  const int64_t k = 4;
+  Buf src(DType::bf16, static_cast<size_t>(k * d));
+  for (int64_t i = 0; i < k * d; ++i) src.set(static_cast<size_t>(i), static_cast<double>((i % 7) + 1));
+  Idx idx = make_idx(IndexType::i64, {n - 1, n - 2, n - 1, 60000});
+  std::vector<float> w = {1.f, 2.f, 3.f, 1.f};
+  sa::index_add_rows(out, idx.view(), cmat(src, k, d, d), {w.data(), k, DType::f32});
+  const uint16_t* o = static_cast<const uint16_t*>(raw);
+  for (int64_t j = 0; j < d; j += 997) {
+    const double s0 = src.get(j), s1 = src.get(d + j), s2 = src.get(2 * d + j), s3 = src.get(3 * d + j);
+    ASSERT_EQ(sa::cpu::bf16_to_f32(o[(n - 1) * d + j]), static_cast<float>(s0 + 3 * s2)) << j;
+    ASSERT_EQ(sa::cpu::bf16_to_f32(o[(n - 2) * d + j]), static_cast<float>(2 * s1)) << j;
+    ASSERT_EQ(sa::cpu::bf16_to_f32(o[60000 * d + j]), static_cast<float>(s3)) << j;
+  }
+  Buf back(DType::bf16, static_cast<size_t>(k * d));
+  sa::gather_rows(mat(back, k, d, d), out, idx.view());
+  for (int64_t j = 0; j < d; j += 991) ASSERT_EQ(back.get(3 * d + j), src.get(3 * d + j));
+  std::free(raw);
 }
 
 }  // namespace
