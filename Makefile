@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 BUILD := .build/release
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps venv cpp test test-cpp test-python hub bench bench-quick bench-cpp cuda cuda-hub peers clean
+.PHONY: all deps venv cpp test test-cpp test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
 
 all: cpp
 
@@ -36,7 +36,33 @@ hub: deps venv
 test-python: hub
 	$(PY) -m pytest tests/python -q
 
-test: test-cpp test-python bench-quick cuda cuda-hub
+test: test-cpp test-sanitizers test-python bench-quick cuda cuda-hub
+
+# Sanitizers (clang's runtimes from Debian): the whole C++ suite under ASan + UBSan, the threaded
+# path (std::thread backend, which TSan can see into) under TSan, and the fuzz corpus replayed.
+SAN_DEPS := clang libclang-rt-14-dev libomp-14-dev
+TSAN_TESTS := Determinism.*:ThreadSafety.*:IndexAdd.MatchesFloat64*:Gather.*
+test-sanitizers:
+	@scripts/install_deps.sh $(SAN_DEPS)
+	cmake -S . -B .build/asan -DCMAKE_CXX_COMPILER=clang++ -DSCATTER_ADD_SANITIZE="address;undefined" -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build .build/asan -j $(JOBS) --target scatter_add_tests
+	ctest --test-dir .build/asan --output-on-failure
+	cmake -S . -B .build/tsan -DCMAKE_CXX_COMPILER=clang++ -DSCATTER_ADD_SANITIZE=thread -DSCATTER_ADD_OPENMP=OFF -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build .build/tsan -j $(JOBS) --target scatter_add_tests
+	.build/tsan/tests/cpp/scatter_add_tests --gtest_filter='$(TSAN_TESTS)'
+	$(MAKE) --no-print-directory fuzz-build
+	.build/fuzz/fuzz_scatter_add -runs=0 tests/fuzz/corpus 2>&1 | tail -n 2
+
+# libFuzzer over the core for FUZZ_SECONDS; new interesting inputs are merged into the corpus.
+FUZZ_SECONDS ?= 60
+fuzz-build:
+	@scripts/install_deps.sh $(SAN_DEPS)
+	cmake -S . -B .build/fuzz -DCMAKE_CXX_COMPILER=clang++ -DSCATTER_ADD_FUZZ=ON -DSCATTER_ADD_OPENMP=OFF -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF >/dev/null
+	cmake --build .build/fuzz -j $(JOBS) --target fuzz_scatter_add
+fuzz: fuzz-build
+	@rm -rf .build/fuzz/new && mkdir -p .build/fuzz/new
+	.build/fuzz/fuzz_scatter_add -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 .build/fuzz/new tests/fuzz/corpus
+	.build/fuzz/fuzz_scatter_add -merge=1 tests/fuzz/corpus .build/fuzz/new 2>&1 | tail -n 1
 
 # CUDA: compile-only here (sm_80, sm_90); runs on a GPU machine via scripts/gpu_check.sh.
 NVCC := $(shell command -v nvcc 2>/dev/null)
