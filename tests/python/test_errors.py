@@ -1,0 +1,193 @@
+"""The bad-input catalogue of docs/errors.md, row by row: each bad input raises exactly the listed
+exception with a message naming the argument, and leaves input bit-for-bit untouched; each edge
+input gives the listed result. A test also checks the document lists every case here."""
+import re
+import threading
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.uint8).clone() if t.numel() else t.detach().clone()
+
+
+def base(**over):
+    d = dict(input=torch.randn(6, 4), index=torch.tensor([0, 5, 2]), src=torch.randn(3, 4), weight=None,
+             ignore_index=None, lnc=None)
+    d.update(over)
+    return d
+
+
+def shared_storage_case(kind):
+    """input and another argument viewing the same memory."""
+    buf = torch.zeros(64, dtype=torch.int64)
+    inp = buf[:48].view(torch.float64).view(6, 8)
+    if kind == "index":
+        return base(input=inp, index=buf[40:43], src=torch.randn(3, 8, dtype=torch.float64))
+    raw = torch.zeros(6, 8, dtype=torch.float64)
+    return base(input=raw, src=torch.randn(3, 8, dtype=torch.float64), weight=raw[5, :3])
+
+
+# (id, call kwargs, op, exception, message fragment)
+SCATTER = "scatter_add"
+GATHER = "gather"
+ERROR_CASES = [
+    ("index-out-of-range", base(index=torch.tensor([0, 6, 2])), SCATTER, IndexError, "index[1] = 6 is out of range for 6 rows"),
+    ("index-negative", base(index=torch.tensor([0, -1, 2])), SCATTER, IndexError, "index[1] = -1"),
+    ("index-out-of-range-not-ignored", base(index=torch.tensor([0, 7, -1]), ignore_index=-1), SCATTER, IndexError,
+     "is not ignore_index = -1"),
+    ("index-int32-out-of-range", base(index=torch.tensor([0, 1, 99], dtype=torch.int32)), SCATTER, IndexError, "index[2] = 99"),
+    ("index-float-dtype", base(index=torch.tensor([0.0, 1.0, 2.0])), SCATTER, RuntimeError, "index must be int32 or int64"),
+    ("index-int16-dtype", base(index=torch.tensor([0, 1, 2], dtype=torch.int16)), SCATTER, RuntimeError, "index must be int32 or int64, got Short"),
+    ("index-bool-dtype", base(index=torch.tensor([True, False, True])), SCATTER, RuntimeError, "index must be int32 or int64"),
+    ("index-2d", base(index=torch.tensor([[0, 1, 2]])), SCATTER, ValueError, "index must be 1-D"),
+    ("src-dtype-mismatch", base(src=torch.randn(3, 4, dtype=torch.float64)), SCATTER, RuntimeError, "src dtype Double does not match input dtype Float"),
+    ("src-rows-mismatch", base(src=torch.randn(4, 4)), SCATTER, ValueError, "src has 4 rows but index has 3 entries"),
+    ("src-cols-mismatch", base(src=torch.randn(3, 5)), SCATTER, ValueError, "src has 5 columns but input has 4"),
+    ("src-1d", base(src=torch.randn(3)), SCATTER, ValueError, "src must be 2-D"),
+    ("input-1d", base(input=torch.randn(6)), SCATTER, ValueError, "input must be 2-D"),
+    ("input-3d", base(input=torch.randn(6, 4, 1)), SCATTER, ValueError, "input must be 2-D"),
+    ("input-int-dtype", base(input=torch.zeros(6, 4, dtype=torch.int32), src=torch.zeros(3, 4, dtype=torch.int32)),
+     SCATTER, ValueError, "input must be float32, float64, bfloat16 or float16"),
+    ("input-complex-dtype", base(input=torch.zeros(6, 4, dtype=torch.complex64), src=torch.zeros(3, 4, dtype=torch.complex64)),
+     SCATTER, ValueError, "input must be float32"),
+    ("weight-wrong-length", base(weight=torch.rand(2)), SCATTER, ValueError, "weight must be 1-D with 3 entries"),
+    ("weight-2d", base(weight=torch.rand(3, 1)), SCATTER, ValueError, "weight must be 1-D with 3 entries"),
+    ("weight-int-dtype", base(weight=torch.ones(3, dtype=torch.long)), SCATTER, RuntimeError, "weight must be a float tensor"),
+    ("ignore-index-not-int", base(ignore_index=1.5), SCATTER, TypeError, "ignore_index must be an int"),
+    ("device-mismatch", base(index=torch.tensor([0, 5, 2], device="meta")), SCATTER, RuntimeError, "index is on meta but input is on cpu"),
+    ("src-overlaps-input", None, SCATTER, ValueError, "src memory overlaps input"),
+    ("index-overlaps-input", shared_storage_case("index"), SCATTER, ValueError, "index memory overlaps input"),
+    ("weight-overlaps-input", shared_storage_case("weight"), SCATTER, ValueError, "weight memory overlaps input"),
+    ("lnc-zero", base(lnc=0), SCATTER, ValueError, "lnc must be a positive int"),
+    ("lnc-negative", base(lnc=-2), SCATTER, ValueError, "lnc must be a positive int"),
+    ("lnc-float", base(lnc=2.0), SCATTER, ValueError, "lnc must be a positive int"),
+    ("lnc-bool", base(lnc=True), SCATTER, ValueError, "lnc must be a positive int"),
+    ("gather-index-out-of-range", base(index=torch.tensor([0, 6, 2])), GATHER, IndexError, "gather: index[1] = 6"),
+    ("gather-input-1d", base(input=torch.randn(6)), GATHER, ValueError, "input must be 2-D"),
+    ("gather-weight-wrong-length", base(weight=torch.rand(5)), GATHER, ValueError, "weight must be 1-D with 3 entries"),
+]
+
+
+def src_overlap_case():
+    buf = torch.randn(10, 4)
+    return base(input=buf[:6], src=buf[5:8])
+
+
+def call(sa, op, kw):
+    if op == SCATTER:
+        return sa.scatter_add(kw["input"], kw["index"], kw["src"], weight=kw["weight"], ignore_index=kw["ignore_index"],
+                              lnc=kw["lnc"])
+    return sa.gather(kw["input"], kw["index"], weight=kw["weight"], ignore_index=kw["ignore_index"])
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_error_case(sa, case):
+    name, kw, op, exc, fragment = case
+    kw = kw if kw is not None else src_overlap_case()
+    before = bits(kw["input"])
+    with pytest.raises(exc, match=re.escape(fragment)):
+        call(sa, op, kw)
+    assert torch.equal(bits(kw["input"]), before), f"{name}: input changed"
+
+
+# Edge inputs that are not errors: (id, function returning (ours, expected)).
+def edge_k0(sa):
+    x = torch.randn(5, 3)
+    return sa.index_add(x, torch.tensor([], dtype=torch.long), torch.randn(0, 3)), x
+
+
+def edge_d0(sa):
+    x = torch.randn(5, 0)
+    return sa.index_add(x, torch.tensor([4, 0]), torch.randn(2, 0)), x
+
+
+def edge_n0_k0(sa):
+    x = torch.randn(0, 3)
+    return sa.index_add(x, torch.tensor([], dtype=torch.int32), torch.randn(0, 3)), x
+
+
+def edge_nan_inf(sa):
+    x = torch.zeros(3, 4)
+    src = torch.tensor([[float("nan"), 1, float("inf"), -float("inf")], [1, 1, float("inf"), 1]])
+    idx = torch.tensor([1, 1])
+    return sa.index_add(x, idx, src), x.index_add(0, idx, src)
+
+
+def edge_ignore_valid_row(sa):
+    x = torch.zeros(3, 2)
+    return sa.index_add(x, torch.tensor([0, 1, 2]), torch.ones(3, 2), ignore_index=1), torch.tensor([[1., 1], [0, 0], [1, 1]])
+
+
+def edge_gather_ignored_rows_zero(sa):
+    x = torch.randn(3, 2)
+    return sa.gather(x, torch.tensor([2, -1]), ignore_index=-1), torch.stack([x[2], torch.zeros(2)])
+
+
+EDGE_CASES = [("empty-k", edge_k0), ("empty-d", edge_d0), ("empty-n-and-k", edge_n0_k0),
+              ("nan-inf-propagate", edge_nan_inf), ("ignore-index-equal-to-a-valid-row", edge_ignore_valid_row),
+              ("gather-ignored-rows-are-zero", edge_gather_ignored_rows_zero)]
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
+def test_edge_case(sa, case):
+    ours, expected = case[1](sa)
+    assert ours.shape == expected.shape
+    assert torch.equal(ours.isnan(), expected.isnan())
+    keep = ~expected.isnan()
+    assert torch.equal(ours[keep], expected[keep])
+
+
+def test_catalogue_lists_every_case():
+    doc = (ROOT / "docs" / "errors.md").read_text()
+    for name in [c[0] for c in ERROR_CASES] + [c[0] for c in EDGE_CASES]:
+        assert f"`{name}`" in doc, f"docs/errors.md has no row for {name}"
+
+
+def test_concurrent_python_threads_match_serial(sa):
+    g = torch.Generator().manual_seed(1)
+    jobs = []
+    for i in range(16):
+        dt = [torch.float32, torch.bfloat16, torch.float16, torch.float64][i % 4]
+        jobs.append((torch.randn(200, 96, generator=g).to(dt), torch.randint(0, 200, (700,), generator=g),
+                     torch.randn(700, 96, generator=g).to(dt), torch.rand(700, generator=g)))
+    serial = [(bits(sa.index_add(x, i, s, weight=w)), bits(sa.gather(x, i, weight=w))) for x, i, s, w in jobs]
+    results = [None] * len(jobs)
+
+    def work(j):
+        x, i, s, w = jobs[j]
+        for _ in range(5):
+            results[j] = (bits(sa.index_add(x, i, s, weight=w)), bits(sa.gather(x, i, weight=w)))
+
+    threads = [threading.Thread(target=work, args=(j,)) for j in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for j, (a, b) in enumerate(results):
+        assert torch.equal(a, serial[j][0]) and torch.equal(b, serial[j][1]), j
+
+
+def test_huge_tensor_offsets_past_2_31(sa):
+    """N*D > 2^31 bf16 elements (4.3 GB): rows near the end are written and gathered exactly."""
+    d = 32768
+    n = (1 << 31) // d + 64
+    x = torch.empty(n, d, dtype=torch.bfloat16)
+    rows = torch.tensor([n - 1, n - 2, n - 1, 60000])
+    x[rows] = 0
+    src = (torch.arange(4 * d) % 7 + 1).view(4, d).to(torch.bfloat16)
+    sa.scatter_add(x, rows, src, weight=torch.tensor([1.0, 2.0, 3.0, 1.0]))
+    s = src.float()
+    assert torch.equal(x[n - 1].float(), s[0] + 3 * s[2])
+    assert torch.equal(x[n - 2].float(), 2 * s[1])
+    assert torch.equal(sa.gather(x, torch.tensor([60000, n - 2])), torch.stack([src[3], (2 * s[1]).to(torch.bfloat16)]))
+    del x
+
+
+@pytest.mark.parametrize("lnc", [0, -2, 1.5, "2", True])
+def test_scatter_add_module_rejects_bad_lnc(sa, lnc):
+    with pytest.raises(ValueError, match="lnc must be a positive int"):
+        sa.ScatterAdd(lnc=lnc)
