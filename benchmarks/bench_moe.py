@@ -13,15 +13,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from moe_layer import MixtralSparseMoE, combine, dispatch  # noqa: E402
 
 
-def _median_time(fn, budget=0.5, min_reps=3, max_reps=20):
-    fn()
-    ts = []
+def _median_times(fns, budget=1.5, min_reps=5, max_reps=25):
+    """Median seconds of each fn, timed in interleaved rounds (one call of each per round) so that
+    this machine's drifting speed hits every variant alike."""
+    for f in fns.values():
+        f()
+    ts = {k: [] for k in fns}
     start = time.perf_counter()
-    while len(ts) < min_reps or (time.perf_counter() - start < budget and len(ts) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    rounds = 0
+    while rounds < min_reps or (time.perf_counter() - start < budget and rounds < max_reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t0)
+        rounds += 1
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
 class MoEBench:
@@ -49,11 +55,11 @@ class MoEBench:
             for t in self.tokens:
                 x = torch.randn(t, self.hidden, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
                 out = {impl: layer[impl](x) for impl in layer}
-                lt = {impl: _median_time(lambda impl=impl: layer[impl](x)) for impl in layer}
+                lt = _median_times({impl: (lambda impl=impl: layer[impl](x)) for impl in layer})
                 st, sw = moe.plan(x)
                 h = moe.experts(dispatch(x, st, "native"))
-                ct = {impl: _median_time(lambda impl=impl: comb[impl](h, st, sw, t)) for impl in comb}
-                dt = {impl: _median_time(lambda impl=impl: disp[impl](x, st)) for impl in disp}
+                ct = _median_times({impl: (lambda impl=impl: comb[impl](h, st, sw, t)) for impl in comb}, budget=0.5)
+                dt = _median_times({impl: (lambda impl=impl: disp[impl](x, st)) for impl in disp}, budget=0.5)
                 diff = (out["ours"].float() - out["native"].float()).abs().max().item()
                 rows.append({
                     "tokens": t, "hidden": self.hidden, "intermediate": self.inter, "experts": moe.num_experts,

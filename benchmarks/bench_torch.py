@@ -267,7 +267,8 @@ def plots(rows, moe_rows, ceiling, out_dir):
         ax.set_xlabel("tokens N (K = 2N, top-2)")
         ax.set_ylabel("speedup of ours (x)")
         ax.set_title(f"MoE combine, {dt}")
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     p = out_dir / "speedup_vs_tokens.png"
     fig.savefig(p, dpi=110)
@@ -306,6 +307,30 @@ def plots(rows, moe_rows, ceiling, out_dir):
         files.append(str(p))
         plt.close(fig)
     return files
+
+
+def distributed_benchmark(args, out_dir):
+    """Runs benchmarks/bench_distributed.py on 2 ranks with torchrun (gloo, loopback)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = out_dir / "distributed.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+           "--master_addr=127.0.0.1", f"--master_port={port}", str(ROOT / "benchmarks" / "bench_distributed.py"),
+           str(out)] + (["--quick"] if args.quick else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if r.returncode != 0:
+        raise RuntimeError("distributed benchmark failed:\n" + r.stdout[-2000:] + r.stderr[-2000:])
+    res = json.loads(out.read_text())
+    print(f"\nExpert parallel, {res['world']} ranks (gloo on loopback, 1 thread each), hidden {res['hidden']}, "
+          f"intermediate {res['intermediate']}, {res['tokens_per_rank']} tokens per rank, {res['dtype']}:")
+    print(f"{'mode':>9} {'layer ms':>9} {'dispatch':>9} {'experts':>9} {'comm':>9} {'combine':>9}")
+    for mode, m in res["modes"].items():
+        print(f"{mode:>9} {m['layer_ms']:9.2f} {m['dispatch_ms']:9.2f} {m['experts_ms']:9.2f} "
+              f"{m['communication_ms']:9.2f} {m['combine_ms']:9.2f}")
+    return res
 
 
 def git_commit():
@@ -349,6 +374,7 @@ def main():
         moe = MoEBench(sa, mixtral=args.mixtral, quick=args.quick)
         moe_rows = moe.run(Progress)
         moe.print_table(moe_rows)
+    dist_res = None if args.skip_moe else distributed_benchmark(args, out_dir)
     files = plots(rows, moe_rows, ceiling, out_dir)
     result = {
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -356,6 +382,7 @@ def main():
         "torch": torch.__version__, "python": platform.python_version(), "git_commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": args.quick,
         "stream_ceiling_gbs": ceiling, "peers_note": ts_note, "op_benchmark": rows, "moe_layer": moe_rows,
+        "expert_parallel": dist_res,
         "plots": files, "wall_s": time.time() - t0,
     }
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1))

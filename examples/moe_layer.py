@@ -62,8 +62,12 @@ class MixtralSparseMoE(nn.Module):
     def capacity(self, tokens: int) -> int:
         return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
 
-    def plan(self, x: torch.Tensor):
-        w, e = route(x @ self.gate, self.top_k)
+    def route(self, x: torch.Tensor):
+        """(weights [T, k] float32, experts [T, k])."""
+        return route(x @ self.gate, self.top_k)
+
+    def plan(self, x: torch.Tensor, routing=None):
+        w, e = routing if routing is not None else self.route(x)
         return capacity_slots(e, w, self.num_experts, self.capacity(x.shape[0]))
 
     def experts(self, xe: torch.Tensor) -> torch.Tensor:
@@ -72,9 +76,11 @@ class MixtralSparseMoE(nn.Module):
         h = F.silu(torch.bmm(xe, self.w1)) * torch.bmm(xe, self.w3)
         return torch.bmm(h, self.w2).view(-1, self.hidden)
 
-    def forward(self, x: torch.Tensor, impl: str = "ours", sa=None, dispatch_impl: Optional[str] = None) -> torch.Tensor:
-        """impl picks the combine step (and the dispatch step unless dispatch_impl is given)."""
-        slot_token, slot_weight = self.plan(x)
+    def forward(self, x: torch.Tensor, impl: str = "ours", sa=None, dispatch_impl: Optional[str] = None,
+                routing=None) -> torch.Tensor:
+        """impl picks the combine step (and the dispatch step unless dispatch_impl is given);
+        routing = (weights, experts) overrides the router."""
+        slot_token, slot_weight = self.plan(x, routing)
         xe = dispatch(x, slot_token, dispatch_impl or impl, sa)
         h = self.experts(xe)
         return combine(h, slot_token, slot_weight, x.shape[0], impl, sa)

@@ -11,12 +11,34 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _direct_import():
+    """Imports build/<variant>/ the way the loader does (for the GPU machine, whose image has no
+    `kernels` package): the variant of this torch, under its metadata id."""
+    import importlib.util
+    import json
+    import sys
+
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    backend = "cpu" if torch.version.cuda is None else "cu" + "".join(torch.version.cuda.split(".")[:2])
+    variant = ROOT / "build" / f"torch{major}{minor}-cxx11-{backend}-{os.uname().machine}-linux"
+    ident = json.loads((variant / "metadata.json").read_text())["id"]
+    spec = importlib.util.spec_from_file_location(ident, variant / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[ident] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def sa():
-    import kernels
-
     if not (ROOT / "build").is_dir():
         pytest.fail("build/ is missing: run `make test` (it builds the hub package first)")
+    if os.environ.get("SCATTER_ADD_DIRECT_IMPORT") == "1":
+        return _direct_import()
+    import kernels
+
     return kernels.get_local_kernel(ROOT)
 
 

@@ -4,12 +4,13 @@
     index_add(input, index, src, *, weight=None, ignore_index=None)             # out of place
     gather(input, index, *, weight=None, ignore_index=None)                     # [K, D]
     ScatterAdd(lnc=None)                                                        # nn.Module
+    distributed.ExpertParallel                                                  # EP dispatch/combine
 
 All imports are relative: the kernels loader imports this package under its per-build name.
 """
-from . import layers
+from . import distributed, layers
 from ._api import gather, index_add, scatter_add
 from ._ops import ops
 from .layers import ScatterAdd
 
-__all__ = ["scatter_add", "index_add", "gather", "ScatterAdd", "layers", "ops"]
+__all__ = ["scatter_add", "index_add", "gather", "ScatterAdd", "layers", "distributed", "ops"]
