@@ -50,7 +50,7 @@ def test_get_kernel_from_offline_hub_cache(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__"))
     (repo_dir / "refs").mkdir(parents=True)
     (repo_dir / "refs" / "v1").write_text(sha)
-    meta = json.loads(next((repo_dir / "snapshots" / sha / "build").glob("*/metadata.json")).read_text())
+    meta = json.loads(next((repo_dir / "snapshots" / sha / "build").glob("*-cpu-*/metadata.json")).read_text())
     assert meta["name"] == "scatter-add" and meta["version"] == 1 and meta["python-depends"] == []
     out = run(f"kernels.get_kernel({REPO!r}, version=1)", {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)},
               tmp_path)
