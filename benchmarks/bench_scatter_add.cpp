@@ -3,7 +3,7 @@
 // in the same run with the same threads. Bytes moved (the floor for a plan that owns each output
 // row):  K*D*s (src read) + 2*R*D*s (each touched out row read and written once) + K*index bytes,
 // with s the element size and R the number of distinct destination rows.
-//   .build/release/benchmarks/bench_scatter_add [--quick] [--threads T]
+//   .build/release/benchmarks/bench_scatter_add [--quick] [--threads T] [--n N] [--d D]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -79,9 +79,12 @@ std::vector<int32_t> make_index(Dist d, int64_t n, int64_t k, std::mt19937_64& r
 int main(int argc, char** argv) {
   bool quick = false;
   int threads = sa::get_num_threads();
+  int64_t only_n = 0, only_d = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--n") && i + 1 < argc) only_n = std::atoll(argv[++i]);
+    if (!std::strcmp(argv[i], "--d") && i + 1 < argc) only_d = std::atoll(argv[++i]);
   }
   sa::set_num_threads(threads);
   const double ceiling = stream_ceiling_gbs(threads);
@@ -89,8 +92,10 @@ int main(int argc, char** argv) {
               sa::isa_name(sa::active_isa()), threads, ceiling);
   std::printf("%-9s %-5s %6s %6s %6s %9s %9s %8s %8s\n", "dist", "dtype", "N", "K", "D", "ms",
               "GB/s", "%ceil", "plan_ms");
-  const std::vector<int64_t> ns = quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 4096, 16384};
-  const std::vector<int64_t> ds = quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 4096};
+  std::vector<int64_t> ns = quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 4096, 16384};
+  std::vector<int64_t> ds = quick ? std::vector<int64_t>{2048} : std::vector<int64_t>{2048, 4096};
+  if (only_n > 0) ns = {only_n};
+  if (only_d > 0) ds = {only_d};
   std::mt19937_64 rng(0);
   for (sa::DType dt : {sa::DType::bf16, sa::DType::f32})
     for (int64_t d : ds)
