@@ -6,31 +6,12 @@
 #include <string>
 #include <utility>
 
+#include "index_check.h"
 #include "policy.h"
 #include "scatter_add/scatter_add.h"
 
 namespace scatter_add {
 namespace {
-
-template <class I>
-void validate_and_count(const I* idx, int64_t k, int64_t n, std::optional<int64_t> ignore,
-                        std::vector<int64_t>* counts, std::vector<int64_t>* ignored) {
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t v = static_cast<int64_t>(idx[i]);
-    if (ignore && v == *ignore) {
-      ignored->push_back(i);
-      continue;
-    }
-    if (v < 0 || v >= n) {
-      std::string msg = "index[" + std::to_string(i) + "] = " + std::to_string(v) +
-                        " is out of range for " + std::to_string(n) + " rows (valid: 0.." +
-                        std::to_string(n - 1) + ")";
-      if (ignore) msg += " and is not ignore_index = " + std::to_string(*ignore);
-      throw Error(Error::Kind::index, msg);
-    }
-    if (counts != nullptr) ++(*counts)[static_cast<size_t>(v)];
-  }
-}
 
 template <class I>
 int64_t index_at(const I* idx, int64_t i) {
@@ -74,10 +55,10 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
   }
   // Pass 1: validate every value (nothing of the plan is usable if this throws).
   if (index.type == IndexType::i32)
-    validate_and_count(static_cast<const int32_t*>(index.data), k, num_rows, ignore_index, counts,
+    cpu::check_index_values(static_cast<const int32_t*>(index.data), k, num_rows, ignore_index, counts,
                        &ignored_);
   else
-    validate_and_count(static_cast<const int64_t*>(index.data), k, num_rows, ignore_index, counts,
+    cpu::check_index_values(static_cast<const int64_t*>(index.data), k, num_rows, ignore_index, counts,
                        &ignored_);
 
   auto at = [&](int64_t i) {

@@ -11,6 +11,7 @@
 
 #include "convert.h"
 #include "dispatch.h"
+#include "index_check.h"
 #include "parallel.h"
 #include "policy.h"
 #include "scatter_add/scatter_add.h"
@@ -285,22 +286,6 @@ struct RowCopier {
 };
 
 template <class I>
-void validate_gather_index(const char* op, const I* idx, int64_t k, int64_t n,
-                           std::optional<int64_t> ignore) {
-  for (int64_t i = 0; i < k; ++i) {
-    const int64_t v = static_cast<int64_t>(idx[i]);
-    if (ignore && v == *ignore) continue;
-    if (v < 0 || v >= n) {
-      std::string msg = "index[" + std::to_string(i) + "] = " + std::to_string(v) +
-                        " is out of range for " + std::to_string(n) + " rows (valid: 0.." +
-                        std::to_string(n - 1) + ")";
-      if (ignore) msg += " and is not ignore_index = " + std::to_string(*ignore);
-      fail(op, Error::Kind::index, msg);
-    }
-  }
-}
-
-template <class I>
 void run_gather(const RowCopier& copy, const I* idx, int64_t k, int64_t d,
                 std::optional<int64_t> ignore, const Options& options) {
   const int nt = threads_for(options, 2.0 * static_cast<double>(k) * d * copy.es);
@@ -311,6 +296,23 @@ void run_gather(const RowCopier& copy, const I* idx, int64_t k, int64_t d,
       copy(i, (ignore && v == *ignore) ? -1 : v, 0, d);
     }
   });
+}
+
+// A plan must match the [N, D] operand's rows, the [K, D] operand's rows and ignore_index.
+void check_plan(const char* op, const Plan& plan, int64_t n, const char* n_name, int64_t k,
+                const char* k_name, const Options& options) {
+  if (plan.num_rows() != n)
+    fail(op, Error::Kind::value,
+         "plan was built for " + std::to_string(plan.num_rows()) + " rows but " + n_name + " has " +
+             std::to_string(n));
+  if (plan.num_entries() != k)
+    fail(op, Error::Kind::value,
+         "plan was built for " + std::to_string(plan.num_entries()) + " entries but " + k_name +
+             " has " + std::to_string(k) + " rows");
+  if (options.ignore_index && options.ignore_index != plan.ignore_index())
+    fail(op, Error::Kind::value,
+         "ignore_index = " + std::to_string(*options.ignore_index) +
+             " differs from the plan's ignore_index");
 }
 
 }  // namespace
@@ -341,18 +343,7 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
 void index_add_rows(const Matrix& out, const Plan& plan, const ConstMatrix& src,
                     const WeightVector& weight, const Options& options) {
   const char* op = "index_add_rows";
-  if (plan.num_rows() != out.rows)
-    fail(op, Error::Kind::value,
-         "plan was built for " + std::to_string(plan.num_rows()) + " rows but out has " +
-             std::to_string(out.rows));
-  if (plan.num_entries() != src.rows)
-    fail(op, Error::Kind::value,
-         "plan was built for " + std::to_string(plan.num_entries()) + " entries but src has " +
-             std::to_string(src.rows) + " rows");
-  if (options.ignore_index && options.ignore_index != plan.ignore_index())
-    fail(op, Error::Kind::value,
-         "ignore_index = " + std::to_string(*options.ignore_index) +
-             " differs from the plan's ignore_index");
+  check_plan(op, plan, out.rows, "out", src.rows, "src", options);
   check_add_args(op, out, src, weight, plan.num_entries(), nullptr, 0);
   run_add(out, plan, src, weight, options);
 }
@@ -368,11 +359,19 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& ind
                        dtype_size(dst.dtype)};
   if (index.type == IndexType::i32) {
     const auto* idx = static_cast<const int32_t*>(index.data);
-    validate_gather_index(op, idx, index.size, x.rows, options.ignore_index);
+    try {
+      cpu::check_index_values(idx, index.size, x.rows, options.ignore_index, nullptr, nullptr);
+    } catch (const Error& e) {
+      fail(op, e.kind(), e.what());
+    }
     if (dst.cols > 0) run_gather(copy, idx, index.size, dst.cols, options.ignore_index, options);
   } else {
     const auto* idx = static_cast<const int64_t*>(index.data);
-    validate_gather_index(op, idx, index.size, x.rows, options.ignore_index);
+    try {
+      cpu::check_index_values(idx, index.size, x.rows, options.ignore_index, nullptr, nullptr);
+    } catch (const Error& e) {
+      fail(op, e.kind(), e.what());
+    }
     if (dst.cols > 0) run_gather(copy, idx, index.size, dst.cols, options.ignore_index, options);
   }
 }
@@ -380,18 +379,7 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& ind
 void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
                  const WeightVector& weight, const Options& options) {
   const char* op = "gather_rows";
-  if (plan.num_rows() != x.rows)
-    fail(op, Error::Kind::value,
-         "plan was built for " + std::to_string(plan.num_rows()) + " rows but x has " +
-             std::to_string(x.rows));
-  if (plan.num_entries() != dst.rows)
-    fail(op, Error::Kind::value,
-         "plan was built for " + std::to_string(plan.num_entries()) + " entries but dst has " +
-             std::to_string(dst.rows) + " rows");
-  if (options.ignore_index && options.ignore_index != plan.ignore_index())
-    fail(op, Error::Kind::value,
-         "ignore_index = " + std::to_string(*options.ignore_index) +
-             " differs from the plan's ignore_index");
+  check_plan(op, plan, x.rows, "x", dst.rows, "dst", options);
   check_gather_args(op, dst, x, weight, nullptr, 0);
   const int64_t d = dst.cols;
   if (plan.num_entries() == 0 || d == 0) return;
