@@ -191,13 +191,6 @@ void scatter_add_cpu(const Tensor& input, const Tensor& index, const Tensor& src
   });
 }
 
-Tensor index_add_cpu(const Tensor& input, const Tensor& index, const Tensor& src,
-                     const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
-  check_args("index_add", input, index, &src, weight);
-  Tensor out = input.clone(at::MemoryFormat::Contiguous);
-  scatter_add_cpu(out, index, src, weight, ignore_index);
-  return out;
-}
 
 Tensor gather_cpu(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight,
                   c10::optional<int64_t> ignore_index) {
@@ -231,14 +224,6 @@ void scatter_add_cuda(const Tensor& input, const Tensor& index, const Tensor& sr
   });
 }
 
-Tensor index_add_cuda(const Tensor& input, const Tensor& index, const Tensor& src,
-                      const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
-  check_args("index_add", input, index, &src, weight);
-  Tensor out = input.clone(at::MemoryFormat::Contiguous);
-  scatter_add_cuda(out, index, src, weight, ignore_index);
-  return out;
-}
-
 Tensor gather_cuda(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight,
                    c10::optional<int64_t> ignore_index) {
   const c10::cuda::CUDAGuard guard(input.device());
@@ -251,6 +236,18 @@ Tensor gather_cuda(const Tensor& input, const Tensor& index, const c10::optional
   });
 }
 #endif
+
+// index_add = scatter_add_ into a contiguous clone, for any backend's scatter_add_.
+using ScatterAddFn = void (*)(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
+                              c10::optional<int64_t>);
+template <ScatterAddFn ScatterAdd>
+Tensor index_add_with(const Tensor& input, const Tensor& index, const Tensor& src,
+                      const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
+  check_args("index_add", input, index, &src, weight);
+  Tensor out = input.clone(at::MemoryFormat::Contiguous);
+  ScatterAdd(out, index, src, weight, ignore_index);
+  return out;
+}
 
 // Meta: shapes and dtypes only, the same checks as the real kernels.
 void scatter_add_meta(const Tensor& input, const Tensor& index, const Tensor& src,
@@ -284,7 +281,7 @@ SA_LIBRARY(TORCH_EXTENSION_NAME, m) {
 
 SA_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("scatter_add_", &scatter_add_torch::scatter_add_cpu);
-  m.impl("index_add", &scatter_add_torch::index_add_cpu);
+  m.impl("index_add", &scatter_add_torch::index_add_with<&scatter_add_torch::scatter_add_cpu>);
   m.impl("gather", &scatter_add_torch::gather_cpu);
 }
 
@@ -297,7 +294,7 @@ SA_LIBRARY_IMPL(TORCH_EXTENSION_NAME, Meta, m) {
 #if defined(SCATTER_ADD_CUDA)
 SA_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("scatter_add_", &scatter_add_torch::scatter_add_cuda);
-  m.impl("index_add", &scatter_add_torch::index_add_cuda);
+  m.impl("index_add", &scatter_add_torch::index_add_with<&scatter_add_torch::scatter_add_cuda>);
   m.impl("gather", &scatter_add_torch::gather_cuda);
 }
 #endif
