@@ -90,7 +90,7 @@ else
 	$(VENV_CUDA)/bin/python -c "import torch, glob; torch.ops.load_library(glob.glob('build/*-cu*-*/*.abi3.so')[0]); print('cuda variant loads')"
 endif
 
-# torch_scatter has no PyPI wheels: this builds it from source into .venv (about 30 min on
+# torch_scatter has no PyPI wheels: this builds it from source into .venv (about 10 min on
 # 2 cores). `make bench` includes it when it is installed and says so when it is not.
 peers: venv
 	$(PY) -m pip install --no-build-isolation torch-scatter==2.1.2

@@ -148,7 +148,7 @@ def op_benchmark(sa, args, stream):
     except Exception as e:  # noqa: BLE001
         torch_scatter = None
         ts_note = (f"torch_scatter not installed ({type(e).__name__}); it has no PyPI wheel: `make peers` builds "
-                   "it from source (~30 min on 2 cores), then `make bench` includes it")
+                   "it from source (about 10 minutes on 2 cores), then `make bench` includes it")
     print(f"peers: {ts_note}")
     methods = peers(sa, compiled_index_add, torch_scatter)
     ds = [2048] if args.quick else [2048, 4096]
