@@ -3,7 +3,7 @@
 // in the same run with the same threads. Bytes moved (the floor for a plan that owns each output
 // row):  K*D*s (src read) + 2*R*D*s (each touched out row read and written once) + K*index bytes,
 // with s the element size and R the number of distinct destination rows.
-//   .build/release/benchmarks/bench_scatter_add [--quick] [--threads T] [--n N] [--d D]
+//   .build/release/benchmarks/bench_scatter_add [--quick] [--threads T] [--n N] [--d D] [--thp]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -12,6 +12,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "scatter_add/scatter_add.h"
 
@@ -52,6 +54,22 @@ double stream_ceiling_gbs(int threads) {
   return 3.0 * n * sizeof(float) / s / 1e9;
 }
 
+// Zeroed bytes; with transparent huge pages asked for (--thp) when the kernel's THP mode is
+// "madvise", as on this machine, where plain allocations get 4 KiB pages.
+struct Buffer {
+  unsigned char* p = nullptr;
+  size_t n = 0;
+  Buffer(size_t bytes, bool thp) : n(bytes) {
+    const size_t align = size_t(2) << 20;
+    p = static_cast<unsigned char*>(std::aligned_alloc(align, (bytes + align - 1) / align * align));
+    if (thp) madvise(p, (bytes + align - 1) / align * align, MADV_HUGEPAGE);
+    std::memset(p, 0, bytes);
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
 enum class Dist { moe_topk, uniform, hot_row };
 const char* dist_name(Dist d) {
   return d == Dist::moe_topk ? "moe_top2" : d == Dist::uniform ? "uniform" : "hot_row";
@@ -80,8 +98,10 @@ int main(int argc, char** argv) {
   bool quick = false;
   int threads = sa::get_num_threads();
   int64_t only_n = 0, only_d = 0;
+  bool thp = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--thp")) thp = true;
     if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) only_n = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--d") && i + 1 < argc) only_d = std::atoll(argv[++i]);
@@ -103,13 +123,13 @@ int main(int argc, char** argv) {
         for (Dist dist : {Dist::moe_topk, Dist::uniform, Dist::hot_row}) {
           const int64_t k = 2 * n;
           const size_t es = sa::dtype_size(dt);
-          std::vector<unsigned char> out(static_cast<size_t>(n * d) * es, 0), src(static_cast<size_t>(k * d) * es);
-          for (size_t i = 0; i < src.size(); i += es) src[i + es - 1] = 0x3c;  // ~1.0-ish values
+          Buffer out(static_cast<size_t>(n * d) * es, thp), src(static_cast<size_t>(k * d) * es, thp);
+          for (size_t i = 0; i < src.n; i += es) src.p[i + es - 1] = 0x3c;  // ~1.0-ish values
           const std::vector<int32_t> idx = make_index(dist, n, k, rng);
           std::vector<float> w(static_cast<size_t>(k), 0.5f);
           const sa::IndexVector iv{idx.data(), k, sa::IndexType::i32};
-          const sa::Matrix om{out.data(), n, d, d, dt};
-          const sa::ConstMatrix sm{src.data(), k, d, d, dt};
+          const sa::Matrix om{out.p, n, d, d, dt};
+          const sa::ConstMatrix sm{src.p, k, d, d, dt};
           const sa::WeightVector wv{w.data(), k, sa::DType::f32};
           const double s = median_seconds([&] { sa::index_add_rows(om, iv, sm, wv); });
           sa::Plan plan;
