@@ -45,7 +45,7 @@ TSAN_TESTS := Determinism.*:ThreadSafety.*:IndexAdd.MatchesFloat64*:Gather.*
 test-sanitizers:
 	@scripts/install_deps.sh $(SAN_DEPS)
 	cmake -S . -B .build/asan -DCMAKE_CXX_COMPILER=clang++ -DSCATTER_ADD_SANITIZE="address;undefined" -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-	cmake --build .build/asan -j $(JOBS) --target scatter_add_tests
+	cmake --build .build/asan -j $(JOBS) --target scatter_add_tests combine_example
 	ctest --test-dir .build/asan --output-on-failure
 	cmake -S . -B .build/tsan -DCMAKE_CXX_COMPILER=clang++ -DSCATTER_ADD_SANITIZE=thread -DSCATTER_ADD_OPENMP=OFF -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build .build/tsan -j $(JOBS) --target scatter_add_tests
