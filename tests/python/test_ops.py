@@ -144,3 +144,34 @@ def test_empty_and_edge_shapes(sa):
     inp = torch.randn(5, 3)
     assert torch.equal(sa.index_add(inp, torch.tensor([], dtype=torch.long), torch.randn(0, 3)), inp)
     assert sa.gather(inp, torch.tensor([], dtype=torch.int32)).shape == (0, 3)
+
+
+# Property test: random shapes, strides, dtypes, index dtypes, weights and ignore_index.
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(0, 120), d=st.integers(0, 70), pad=st.integers(0, 5),
+       dtype=st.sampled_from(DTYPES), index_dtype=st.sampled_from([torch.int32, torch.int64]),
+       weighted=st.booleans(), ignore=st.sampled_from([None, -1, 0]), seed=st.integers(0, 2**31 - 1))
+def test_property_index_add_and_gather(sa, n, k, d, pad, dtype, index_dtype, weighted, ignore, seed):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, d + pad, generator=g).to(dtype)
+    inp = base[:, :d]  # row stride d + pad
+    src = torch.randn(k, d, generator=g).to(dtype)
+    index = torch.randint(0, n, (k,), generator=g)
+    if ignore is not None and k:
+        index[torch.rand(k, generator=g) < 0.3] = ignore
+    index = index.to(index_dtype)
+    weight = torch.rand(k, generator=g) if weighted else None
+    ref = reference(inp, index, src, weight, ignore)
+    ours = sa.index_add(inp, index, src, weight=weight, ignore_index=ignore)
+    mag = reference(inp.abs(), index, src.abs(), None if weight is None else weight.abs(), ignore)
+    eps = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    acc = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    bound = eps * ref.abs() + 2 * (k + 1) * acc * mag + 1e-30
+    assert bool(((ours.double() - ref).abs() <= bound).all())
+    g_ours = sa.gather(inp, index, ignore_index=ignore)
+    keep = torch.ones(k, dtype=torch.bool) if ignore is None else index != ignore
+    assert torch.equal(g_ours[keep], inp[index[keep].long()])
+    assert bool((g_ours[~keep] == 0).all())
