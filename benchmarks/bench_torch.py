@@ -249,6 +249,13 @@ def plots(rows, moe_rows, ceiling, out_dir):
         print(f"plots skipped: {e}")
         return []
     files = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        files.append(str(out_dir / name))
+        plt.close(fig)
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, dt in zip(axes, ["bfloat16", "float32"]):
         sel = [r for r in rows if r["dtype"] == dt and r["dist"] == "moe_top2"]
@@ -269,11 +276,7 @@ def plots(rows, moe_rows, ceiling, out_dir):
         ax.set_title(f"MoE combine, {dt}")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    p = out_dir / "speedup_vs_tokens.png"
-    fig.savefig(p, dpi=110)
-    files.append(str(p))
-    plt.close(fig)
+    save(fig, "speedup_vs_tokens.png")
 
     fig, ax = plt.subplots(figsize=(12, 4.5))
     labels = [f"{r['dtype'][:4]} D{r['D']} N{r['N']} {r['dist'][:3]}" for r in rows]
@@ -285,11 +288,7 @@ def plots(rows, moe_rows, ceiling, out_dir):
     ax.set_xticklabels(labels, rotation=90, fontsize=6)
     ax.set_ylabel("GB/s (bytes moved floor / time)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = out_dir / "gbs_vs_shape.png"
-    fig.savefig(p, dpi=110)
-    files.append(str(p))
-    plt.close(fig)
+    save(fig, "gbs_vs_shape.png")
 
     if moe_rows:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -301,11 +300,7 @@ def plots(rows, moe_rows, ceiling, out_dir):
         ax.set_ylabel("speedup of ours (x)")
         ax.set_title("Mixtral-style MoE block, torch.compile'd")
         ax.legend()
-        fig.tight_layout()
-        p = out_dir / "moe_layer_speedup.png"
-        fig.savefig(p, dpi=110)
-        files.append(str(p))
-        plt.close(fig)
+        save(fig, "moe_layer_speedup.png")
     return files
 
 
