@@ -98,22 +98,32 @@ void validate(const char* op, const IndexVector& index, int64_t n, std::optional
   fail(op, Error::Kind::index, msg);
 }
 
-void check_common(const char* op, int64_t rows, int64_t k, int64_t n, const WeightVector& w, DType data,
-                  size_t ws_bytes, int64_t d) {
+// Checks shared by both ops: `big` is the [N, D] operand, `small` the [K, D] one. Returns the
+// workspace layout (CUB's size queries run once per call).
+Layout check_args(const char* op, const ConstMatrix& big, const char* big_name, const ConstMatrix& small,
+                  const char* small_name, int64_t k, const WeightVector& w, size_t ws_bytes) {
+  if (small.dtype != big.dtype)
+    fail(op, Error::Kind::value, std::string(small_name) + " dtype " + dtype_name(small.dtype) + " does not match " +
+                                     big_name + " dtype " + dtype_name(big.dtype));
+  if (small.cols != big.cols)
+    fail(op, Error::Kind::value, std::string(small_name) + " has " + std::to_string(small.cols) + " columns but " +
+                                     big_name + " has " + std::to_string(big.cols));
+  const int64_t n = big.rows;
   if (n >= (int64_t(1) << 31) || k >= (int64_t(1) << 31))
     fail(op, Error::Kind::value, "the CUDA path supports fewer than 2^31 rows and indices, got N=" +
                                      std::to_string(n) + " K=" + std::to_string(k));
-  if (rows != k)
-    fail(op, Error::Kind::value, "index has " + std::to_string(k) + " entries but the [K, D] operand has " +
-                                     std::to_string(rows) + " rows");
-  const DType acc = data == DType::f64 ? DType::f64 : DType::f32;
+  if (small.rows != k)
+    fail(op, Error::Kind::value, "index has " + std::to_string(k) + " entries but " + small_name + " has " +
+                                     std::to_string(small.rows) + " rows");
+  const DType acc = big.dtype == DType::f64 ? DType::f64 : DType::f32;
   if (w.data != nullptr && (w.dtype != acc || w.size != k))
     fail(op, Error::Kind::value, std::string("weight must be ") + dtype_name(acc) + " with " + std::to_string(k) +
                                      " entries");
-  if (ws_bytes < workspace_bytes(k, n))
+  const Layout l = layout(k, n);
+  if (ws_bytes < l.total)
     fail(op, Error::Kind::value, "workspace of " + std::to_string(ws_bytes) + " bytes is smaller than the " +
-                                     std::to_string(workspace_bytes(k, n)) + " needed");
-  (void)d;
+                                     std::to_string(l.total) + " needed");
+  return l;
 }
 
 template <class T, int VEC>
@@ -179,16 +189,9 @@ size_t workspace_bytes(int64_t k, int64_t n) { return layout(k, n).total; }
 void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const WeightVector& weight,
                     std::optional<int64_t> ignore, void* ws, size_t ws_bytes, cudaStream_t stream) {
   const char* op = "index_add_rows";
-  if (src.dtype != out.dtype)
-    fail(op, Error::Kind::value, std::string("src dtype ") + dtype_name(src.dtype) + " does not match out dtype " +
-                                     dtype_name(out.dtype));
-  if (src.cols != out.cols)
-    fail(op, Error::Kind::value, "src has " + std::to_string(src.cols) + " columns but out has " +
-                                     std::to_string(out.cols));
   const int64_t k = index.size, n = out.rows;
-  check_common(op, src.rows, k, n, weight, out.dtype, ws_bytes, out.cols);
+  const Layout l = check_args(op, out, "out", src, "src", k, weight, ws_bytes);
   if (k == 0) return;
-  const Layout l = layout(k, n);
   if (index.type == IndexType::i32) validate<int32_t>(op, index, n, ignore, ws, l, stream);
   else validate<int64_t>(op, index, n, ignore, ws, l, stream);
   if (out.cols == 0) return;
@@ -220,16 +223,9 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
 void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const WeightVector& weight,
                  std::optional<int64_t> ignore, void* ws, size_t ws_bytes, cudaStream_t stream) {
   const char* op = "gather_rows";
-  if (x.dtype != dst.dtype)
-    fail(op, Error::Kind::value, std::string("x dtype ") + dtype_name(x.dtype) + " does not match dst dtype " +
-                                     dtype_name(dst.dtype));
-  if (x.cols != dst.cols)
-    fail(op, Error::Kind::value, "x has " + std::to_string(x.cols) + " columns but dst has " +
-                                     std::to_string(dst.cols));
   const int64_t k = index.size;
-  check_common(op, dst.rows, k, x.rows, weight, dst.dtype, ws_bytes, dst.cols);
+  const Layout l = check_args(op, x, "x", dst, "dst", k, weight, ws_bytes);
   if (k == 0) return;
-  const Layout l = layout(k, x.rows);
   if (index.type == IndexType::i32) validate<int32_t>(op, index, x.rows, ignore, ws, l, stream);
   else validate<int64_t>(op, index, x.rows, ignore, ws, l, stream);
   if (dst.cols == 0) return;
