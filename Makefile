@@ -71,7 +71,8 @@ ifeq ($(NVCC),)
 	@echo "cuda: nvcc not found on this machine; the CUDA sources were NOT compiled"
 else
 	cmake -S . -B .build/cuda -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF >/dev/null
-	cmake --build .build/cuda -j $(JOBS) --target scatter_add_cuda
+	cmake --build .build/cuda -j $(JOBS) --target scatter_add_cuda cuda_host_sim
+	.build/cuda/cuda_host_sim
 endif
 
 # The cu<ver> hub variant, built against pip's CUDA torch in its own venv (compile and link only).

@@ -1,25 +1,52 @@
-// Device kernels of the CUDA path. One warp per destination row (index_add) or per output row
-// (gather); each lane moves 16-byte vectors of VEC elements and accumulates in AccT registers.
+// Device kernels of the CUDA path. Each kernel is a grid-stride loop over "warp tasks"; the work of
+// one task is a __host__ __device__ function of (task, lane) that shares nothing with other lanes
+// (no shuffles, no shared memory), so tests/cuda/host_sim.cu runs exactly this code on the CPU,
+// task by task and lane by lane, and compares it with the CPU core bit for bit.
+//
+//   check_index   every index value against [0, N) (ignore_index excepted): the first bad
+//                 position goes to *bad (atomicMin); also writes the sort keys and ids for the plan.
+//   add_tile      one destination row x one column tile: out = round(out + sum_j w_j * src_j), the
+//                 contributions in source order, accumulated in float32 (float64 for f64).
+//   gather_tile   one output row x one column tile: dst[i] = w[i] * x[index[i]] (0 for ignored).
+// Both writers return before touching memory when *bad is set, so a bad index writes nothing.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
+
+#define SA_HD __host__ __device__ __forceinline__
 
 namespace scatter_add {
 namespace cuda {
 namespace kernels {
 
+constexpr unsigned long long kNoBad = ~0ull;
+
 template <class T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
+template <class T> using acc_t = typename Acc<T>::type;
 
-template <class T, class A> __device__ __forceinline__ A to_acc(T v) { return static_cast<A>(v); }
-template <> __device__ __forceinline__ float to_acc<__nv_bfloat16, float>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_acc<__half, float>(__half v) { return __half2float(v); }
-template <class T, class A> __device__ __forceinline__ T from_acc(A v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
+template <class T, class A> SA_HD A to_acc(T v) { return static_cast<A>(v); }
+template <> SA_HD float to_acc<__nv_bfloat16, float>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> SA_HD float to_acc<__half, float>(__half v) { return __half2float(v); }
+template <class T, class A> SA_HD T from_acc(A v) { return static_cast<T>(v); }
+template <> SA_HD __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) { return __float2bfloat16_rn(v); }
+template <> SA_HD __half from_acc<__half, float>(float v) { return __float2half_rn(v); }
+// w * x + a with one rounding, as the CPU core's FMA paths.
+SA_HD float mad(float w, float x, float a) { return fmaf(w, x, a); }
+SA_HD double mad(double w, double x, double a) { return fma(w, x, a); }
+
+SA_HD void note_bad(unsigned long long* bad, unsigned long long i) {
+#if defined(__CUDA_ARCH__)
+  atomicMin(bad, i);
+#else
+  if (i < *bad) *bad = i;
+#endif
+}
 
 // VEC elements moved as one aligned chunk (16 bytes when VEC * sizeof(T) == 16).
 template <class T, int VEC>
@@ -27,96 +54,201 @@ struct alignas(sizeof(T) * VEC) Chunk {
   T v[VEC];
 };
 
-// Marks the first out-of-range index (not ignore_index) in *first_bad (initialised to ~0).
-template <class I>
-__global__ void validate_index(const I* index, int64_t k, int64_t n, bool has_ignore, int64_t ignore,
-                               unsigned long long* first_bad) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < k; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t v = static_cast<int64_t>(index[i]);
-    if (has_ignore && v == ignore) continue;
-    if (v < 0 || v >= n) atomicMin(first_bad, static_cast<unsigned long long>(i));
+// Chunks per lane in one tile: a few independent 16-byte loads in flight per lane and source.
+template <int VEC> constexpr int kChunksPerLane = VEC == 1 ? 4 : 2;
+template <int VEC> constexpr int64_t kTileCols = 32 * VEC * kChunksPerLane<VEC>;
+template <int VEC> inline int64_t tiles(int64_t d) { return (d + kTileCols<VEC> - 1) / kTileCols<VEC>; }
+
+// Elements per 16-byte chunk (16 / sizeof(T)) if d is a multiple of it and every row start of
+// every view is 16-byte aligned, else 1.
+template <class T>
+int vec_width(int64_t d, std::initializer_list<std::pair<const void*, int64_t>> views) {
+  constexpr int v = static_cast<int>(16 / sizeof(T));
+  if (d % v != 0) return 1;
+  for (auto& p : views)
+    if (reinterpret_cast<uintptr_t>(p.first) % 16 != 0 || (p.second * int64_t(sizeof(T))) % 16 != 0) return 1;
+  return v;
+}
+
+// Calls f(std::integral_constant<int, VEC>{}, std::bool_constant<WEIGHTED>{}) for the variant the
+// launcher and the host simulation both use.
+template <class T, class F>
+void with_variant(int vec, bool weighted, F&& f) {
+  constexpr int V = static_cast<int>(16 / sizeof(T));
+  if (vec == V) {
+    if (weighted) f(std::integral_constant<int, V>{}, std::true_type{});
+    else f(std::integral_constant<int, V>{}, std::false_type{});
+  } else {
+    if (weighted) f(std::integral_constant<int, 1>{}, std::true_type{});
+    else f(std::integral_constant<int, 1>{}, std::false_type{});
   }
 }
 
-// Sort keys: the destination row, or n (sorted last, then skipped) for ignore_index.
+// ---- index check + sort keys ---------------------------------------------------------------
 template <class I>
-__global__ void make_keys(const I* index, int64_t k, int64_t n, bool has_ignore, int64_t ignore,
-                          uint32_t* keys, uint32_t* ids) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < k; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t v = static_cast<int64_t>(index[i]);
-    keys[i] = static_cast<uint32_t>((has_ignore && v == ignore) ? n : v);
-    ids[i] = static_cast<uint32_t>(i);
+struct KeyArgs {
+  const I* index;
+  int64_t k, n;
+  bool has_ignore;
+  int64_t ignore;
+  uint32_t* keys;  // null: check only (gather)
+  uint32_t* ids;
+  unsigned long long* bad;
+};
+
+// Key = destination row, or n (sorted last, then skipped) for ignore_index and for bad values.
+template <class I>
+SA_HD void check_one(const KeyArgs<I>& a, int64_t i) {
+  const int64_t v = static_cast<int64_t>(a.index[i]);
+  const bool ignored = a.has_ignore && v == a.ignore;
+  const bool ok = ignored || (v >= 0 && v < a.n);
+  if (!ok) note_bad(a.bad, static_cast<unsigned long long>(i));
+  if (a.keys != nullptr) {
+    a.keys[i] = static_cast<uint32_t>(ignored || !ok ? a.n : v);
+    a.ids[i] = static_cast<uint32_t>(i);
   }
 }
 
-// One warp per run of equal keys: out[row] = round(out[row] + sum_j w[id_j] * src[id_j]).
+// ---- index_add: one warp task per (destination row, column tile) ----------------------------
+template <class T>
+struct AddArgs {
+  T* out;
+  int64_t out_stride;
+  const T* src;
+  int64_t src_stride;
+  const acc_t<T>* w;  // per source row; unused when unweighted
+  const uint32_t* run_keys;     // destination row of each run of equal sorted keys
+  const uint32_t* run_offsets;  // start of each run in ids
+  const uint32_t* run_counts;
+  const int* num_runs;
+  const uint32_t* ids;  // source rows, sorted stably by destination
+  uint32_t sentinel;    // the key of ignored entries (N)
+  int64_t d, tiles;
+  const unsigned long long* bad;
+};
+
 template <class T, int VEC, bool WEIGHTED>
-__global__ void add_rows(T* __restrict__ out, int64_t out_stride, const T* __restrict__ src,
-                         int64_t src_stride, const typename Acc<T>::type* __restrict__ w,
-                         const uint32_t* __restrict__ run_keys, const uint32_t* __restrict__ run_offsets,
-                         const uint32_t* __restrict__ run_counts, const int* __restrict__ num_runs,
-                         const uint32_t* __restrict__ ids, uint32_t sentinel, int64_t d) {
-  using A = typename Acc<T>::type;
+SA_HD void add_tile(const AddArgs<T>& a, int64_t task, int lane) {
+  using A = acc_t<T>;
   using C = Chunk<T, VEC>;
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= *num_runs) return;
-  const uint32_t row = run_keys[warp];
-  if (row == sentinel) return;
-  const uint32_t beg = run_offsets[warp], n = run_counts[warp];
-  T* o = out + int64_t(row) * out_stride;
-  for (int64_t c = int64_t(lane) * VEC; c < d; c += 32 * VEC) {
-    A acc[VEC];
-    const C oc = *reinterpret_cast<const C*>(o + c);
+  constexpr int U = kChunksPerLane<VEC>;
+  if (*a.bad != kNoBad) return;
+  const int64_t run = task / a.tiles;
+  if (run >= *a.num_runs) return;
+  const uint32_t row = a.run_keys[run];
+  if (row == a.sentinel) return;
+  const int64_t c0 = (task % a.tiles) * kTileCols<VEC> + int64_t(lane) * VEC;
+  const uint32_t beg = a.run_offsets[run], n = a.run_counts[run];
+  T* o = a.out + int64_t(row) * a.out_stride + c0;
+  bool live[U];
+  A acc[U][VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = to_acc<T, A>(oc.v[e]);
-    for (uint32_t j = 0; j < n; ++j) {
-      const uint32_t id = ids[beg + j];
-      const C sc = *reinterpret_cast<const C*>(src + int64_t(id) * src_stride + c);
-      if (WEIGHTED) {
-        const A wj = w[id];
+  for (int u = 0; u < U; ++u) {
+    live[u] = c0 + u * 32 * VEC < a.d;  // VEC > 1 only when VEC divides d: chunks are whole
+    if (live[u]) {
+      const C oc = *reinterpret_cast<const C*>(o + u * 32 * VEC);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] = fma(wj, to_acc<T, A>(sc.v[e]), acc[e]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] += to_acc<T, A>(sc.v[e]);
-      }
+      for (int e = 0; e < VEC; ++e) acc[u][e] = to_acc<T, A>(oc.v[e]);
     }
+  }
+  for (uint32_t j = 0; j < n; ++j) {
+    const uint32_t id = a.ids[beg + j];
+    const T* s = a.src + int64_t(id) * a.src_stride + c0;
+    C x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (live[u]) x[u] = *reinterpret_cast<const C*>(s + u * 32 * VEC);
+    const A wj = WEIGHTED ? a.w[id] : A(1);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!live[u]) continue;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        acc[u][e] = WEIGHTED ? mad(wj, to_acc<T, A>(x[u].v[e]), acc[u][e]) : acc[u][e] + to_acc<T, A>(x[u].v[e]);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (!live[u]) continue;
     C r;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) r.v[e] = from_acc<T, A>(acc[e]);
-    *reinterpret_cast<C*>(o + c) = r;
+    for (int e = 0; e < VEC; ++e) r.v[e] = from_acc<T, A>(acc[u][e]);
+    *reinterpret_cast<C*>(o + u * 32 * VEC) = r;
   }
 }
 
-// One warp per output row: dst[i] = w[i] * x[index[i]], zeros for ignore_index.
+// ---- gather: one warp task per (output row, column tile) -----------------------------------
+template <class T, class I>
+struct GatherArgs {
+  T* dst;
+  int64_t dst_stride;
+  const T* x;
+  int64_t x_stride;
+  const I* index;
+  int64_t k;
+  bool has_ignore;
+  int64_t ignore;
+  const acc_t<T>* w;
+  int64_t d, tiles;
+  const unsigned long long* bad;
+};
+
 template <class T, class I, int VEC, bool WEIGHTED>
-__global__ void gather_rows(T* __restrict__ dst, int64_t dst_stride, const T* __restrict__ x,
-                            int64_t x_stride, const I* __restrict__ index, int64_t k, bool has_ignore,
-                            int64_t ignore, const typename Acc<T>::type* __restrict__ w, int64_t d) {
-  using A = typename Acc<T>::type;
+SA_HD void gather_tile(const GatherArgs<T, I>& a, int64_t task, int lane) {
+  using A = acc_t<T>;
   using C = Chunk<T, VEC>;
-  const int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (i >= k) return;
-  const int64_t v = static_cast<int64_t>(index[i]);
-  T* o = dst + i * dst_stride;
-  const bool skip = has_ignore && v == ignore;
-  const T* s = x + (skip ? 0 : v) * x_stride;
-  for (int64_t c = int64_t(lane) * VEC; c < d; c += 32 * VEC) {
-    C r;
-    if (skip) {
+  constexpr int U = kChunksPerLane<VEC>;
+  if (*a.bad != kNoBad) return;
+  const int64_t i = task / a.tiles;
+  if (i >= a.k) return;
+  const int64_t v = static_cast<int64_t>(a.index[i]);
+  const bool skip = a.has_ignore && v == a.ignore;
+  const int64_t c0 = (task % a.tiles) * kTileCols<VEC> + int64_t(lane) * VEC;
+  T* o = a.dst + i * a.dst_stride + c0;
+  const T* s = a.x + (skip ? 0 : v) * a.x_stride + c0;
+  C r[U];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) r.v[e] = from_acc<T, A>(A(0));
-    } else {
-      r = *reinterpret_cast<const C*>(s + c);
-      if (WEIGHTED) {
-        const A wi = w[i];
+  for (int u = 0; u < U; ++u)
+    if (!skip && c0 + u * 32 * VEC < a.d) r[u] = *reinterpret_cast<const C*>(s + u * 32 * VEC);
+  const A wi = WEIGHTED && !skip ? a.w[i] : A(1);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) r.v[e] = from_acc<T, A>(wi * to_acc<T, A>(r.v[e]));
-      }
+  for (int u = 0; u < U; ++u) {
+    if (c0 + u * 32 * VEC >= a.d) continue;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      if (skip) r[u].v[e] = from_acc<T, A>(A(0));
+      else if (WEIGHTED) r[u].v[e] = from_acc<T, A>(wi * to_acc<T, A>(r[u].v[e]));
     }
-    *reinterpret_cast<C*>(o + c) = r;
+    *reinterpret_cast<C*>(o + u * 32 * VEC) = r[u];
+  }
+}
+
+// ---- the __global__ wrappers ---------------------------------------------------------------
+template <class I>
+__global__ void check_index(KeyArgs<I> a) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < a.k; i += int64_t(gridDim.x) * blockDim.x)
+    check_one(a, i);
+}
+
+template <class T, int VEC, bool WEIGHTED>
+__global__ void __launch_bounds__(256) add_rows(AddArgs<T> a, int64_t tasks) {
+  const int64_t step = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; t < tasks; t += step)
+    add_tile<T, VEC, WEIGHTED>(a, t, threadIdx.x % 32);
+}
+
+template <class T, class I, int VEC, bool WEIGHTED>
+__global__ void __launch_bounds__(256) gather_rows(GatherArgs<T, I> a, int64_t tasks) {
+  const int64_t step = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; t < tasks; t += step)
+    gather_tile<T, I, VEC, WEIGHTED>(a, t, threadIdx.x % 32);
+}
+
+// The no-wait mode: a bad index stops the stream's work here, as torch's device-side asserts do.
+__global__ void trap_if_bad(const unsigned long long* bad) {
+  if (*bad != kNoBad) {
+    printf("scatter_add: index[%llu] is out of range (or not ignore_index); nothing was written\n", *bad);
+    __trap();
   }
 }
 

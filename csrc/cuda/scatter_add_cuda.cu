@@ -1,6 +1,8 @@
-// Launchers of the CUDA path (see scatter_add_cuda.h): argument checks, device-side index
-// validation, the plan (CUB stable radix sort of (row, source id) pairs, run-length encoding of
-// the rows, exclusive scan of the run lengths), then one warp per destination row.
+// Launchers of the CUDA path (see scatter_add_cuda.h): argument checks; one pass over the index
+// that checks every value and writes the sort keys; the plan (CUB stable radix sort of
+// (row, source id) pairs, run-length encoding of the rows, exclusive scan of the run lengths); one
+// warp per (destination row, column tile); then the bad-index report. The writers skip all work
+// when the check found a bad value, so nothing waits for the host between the stages.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
@@ -16,6 +18,8 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;  // 8 warps per block
+constexpr int64_t kMaxBlocks = int64_t(1) << 20;  // grid-stride loops beyond this
+constexpr size_t kGatherWorkspace = 256;  // the bad-index flag
 
 void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("scatter_add CUDA: ") + what + ": " + cudaGetErrorString(e));
@@ -66,42 +70,61 @@ Layout layout(int64_t k, int64_t n) {
 template <class T>
 T* at(void* ws, size_t off) { return reinterpret_cast<T*>(static_cast<char*>(ws) + off); }
 
-// Elements per 16-byte chunk if every row start is 16-byte aligned, else 1.
-int vec_width(size_t es, int64_t d, std::initializer_list<std::pair<const void*, int64_t>> views) {
-  const int v = static_cast<int>(16 / es);
-  if (d % v != 0) return 1;
-  for (auto& p : views) {
-    if (reinterpret_cast<uintptr_t>(p.first) % 16 != 0 || (p.second * int64_t(es)) % 16 != 0) return 1;
-  }
-  return v;
+int grid_for(int64_t threads) {
+  return static_cast<int>(std::clamp<int64_t>((threads + kThreads - 1) / kThreads, 1, kMaxBlocks));
 }
 
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus s = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &s), "cudaStreamIsCapturing");
+  return s != cudaStreamCaptureStatusNone;
+}
+
+// Marks bad values in *bad and, with keys != nullptr, writes the plan's sort keys and ids.
 template <class I>
-void validate(const char* op, const IndexVector& index, int64_t n, std::optional<int64_t> ignore, void* ws,
-              const Layout& l, cudaStream_t stream) {
-  const int64_t k = index.size;
-  auto* bad = at<unsigned long long>(ws, l.bad);
+void launch_check(const IndexVector& index, int64_t n, std::optional<int64_t> ignore, unsigned long long* bad,
+                  uint32_t* keys, uint32_t* ids, cudaStream_t stream) {
   check_cuda(cudaMemsetAsync(bad, 0xFF, sizeof(*bad), stream), "memset");
-  const int blocks = static_cast<int>(std::min<int64_t>((k + kThreads - 1) / kThreads, 4096));
-  kernels::validate_index<I><<<blocks, kThreads, 0, stream>>>(static_cast<const I*>(index.data), k, n,
-                                                               ignore.has_value(), ignore.value_or(0), bad);
-  check_cuda(cudaGetLastError(), "validate_index launch");
+  const kernels::KeyArgs<I> a{static_cast<const I*>(index.data), index.size, n, ignore.has_value(),
+                              ignore.value_or(0), keys, ids, bad};
+  kernels::check_index<I><<<grid_for(index.size), kThreads, 0, stream>>>(a);
+  check_cuda(cudaGetLastError(), "check_index launch");
+}
+
+// After the writers were queued (they write nothing when *bad is set): host_error waits for the
+// stream and throws the first bad value; device_trap (and any capturing stream) queues a kernel
+// that traps instead, so the call never waits.
+template <class I>
+void report(const char* op, const IndexVector& index, int64_t n, std::optional<int64_t> ignore,
+            const unsigned long long* bad, IndexCheck check, cudaStream_t stream) {
+  if (check == IndexCheck::device_trap || capturing(stream)) {
+    kernels::trap_if_bad<<<1, 1, 0, stream>>>(bad);
+    check_cuda(cudaGetLastError(), "trap_if_bad launch");
+    return;
+  }
   unsigned long long first = 0;
   check_cuda(cudaMemcpyAsync(&first, bad, sizeof(first), cudaMemcpyDeviceToHost, stream), "copy");
   check_cuda(cudaStreamSynchronize(stream), "sync");
-  if (first == ~0ull) return;
+  if (first == kernels::kNoBad) return;
   I value{};
-  check_cuda(cudaMemcpy(&value, static_cast<const I*>(index.data) + first, sizeof(I), cudaMemcpyDeviceToHost), "copy");
+  check_cuda(cudaMemcpyAsync(&value, static_cast<const I*>(index.data) + first, sizeof(I), cudaMemcpyDeviceToHost,
+                             stream), "copy");
+  check_cuda(cudaStreamSynchronize(stream), "sync");
   std::string msg = "index[" + std::to_string(first) + "] = " + std::to_string(static_cast<int64_t>(value)) +
                     " is out of range for " + std::to_string(n) + " rows (valid: 0.." + std::to_string(n - 1) + ")";
   if (ignore) msg += " and is not ignore_index = " + std::to_string(*ignore);
   fail(op, Error::Kind::index, msg);
 }
 
-// Checks shared by both ops: `big` is the [N, D] operand, `small` the [K, D] one. Returns the
-// workspace layout (CUB's size queries run once per call).
-Layout check_args(const char* op, const ConstMatrix& big, const char* big_name, const ConstMatrix& small,
-                  const char* small_name, int64_t k, const WeightVector& w, size_t ws_bytes) {
+template <class F>
+void by_index(IndexType t, F&& f) {
+  if (t == IndexType::i32) f(int32_t{});
+  else f(int64_t{});
+}
+
+// Checks shared by both ops: `big` is the [N, D] operand, `small` the [K, D] one.
+void check_args(const char* op, const ConstMatrix& big, const char* big_name, const ConstMatrix& small,
+                const char* small_name, int64_t k, const WeightVector& w, size_t ws_bytes, size_t ws_needed) {
   if (small.dtype != big.dtype)
     fail(op, Error::Kind::value, std::string(small_name) + " dtype " + dtype_name(small.dtype) + " does not match " +
                                      big_name + " dtype " + dtype_name(big.dtype));
@@ -119,57 +142,45 @@ Layout check_args(const char* op, const ConstMatrix& big, const char* big_name, 
   if (w.data != nullptr && (w.dtype != acc || w.size != k))
     fail(op, Error::Kind::value, std::string("weight must be ") + dtype_name(acc) + " with " + std::to_string(k) +
                                      " entries");
-  const Layout l = layout(k, n);
-  if (ws_bytes < l.total)
+  if (ws_bytes < ws_needed)
     fail(op, Error::Kind::value, "workspace of " + std::to_string(ws_bytes) + " bytes is smaller than the " +
-                                     std::to_string(l.total) + " needed");
-  return l;
-}
-
-template <class T, int VEC>
-void launch_add(const Matrix& out, const ConstMatrix& src, const void* w, void* ws, const Layout& l, int64_t k,
-                cudaStream_t stream) {
-  const int64_t warps = k;  // runs <= K
-  const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
-  auto args = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        static_cast<T*>(out.data), out.row_stride, static_cast<const T*>(src.data), src.row_stride,
-        static_cast<const typename kernels::Acc<T>::type*>(w), at<uint32_t>(ws, l.run_keys),
-        at<uint32_t>(ws, l.run_offsets), at<uint32_t>(ws, l.run_counts), at<int>(ws, l.num_runs),
-        at<uint32_t>(ws, l.ids_out), static_cast<uint32_t>(out.rows), out.cols);
-  };
-  if (w) args(kernels::add_rows<T, VEC, true>);
-  else args(kernels::add_rows<T, VEC, false>);
+                                     std::to_string(ws_needed) + " needed");
 }
 
 template <class T>
-void dispatch_add(const Matrix& out, const ConstMatrix& src, const void* w, void* ws, const Layout& l, int64_t k,
-                  cudaStream_t stream) {
-  constexpr int V = 16 / sizeof(T);
-  if (vec_width(sizeof(T), out.cols, {{out.data, out.row_stride}, {src.data, src.row_stride}}) == V)
-    launch_add<T, V>(out, src, w, ws, l, k, stream);
-  else
-    launch_add<T, 1>(out, src, w, ws, l, k, stream);
+void launch_add(const Matrix& out, const ConstMatrix& src, const void* w, void* ws, const Layout& l, int64_t k,
+                cudaStream_t stream) {
+  const int vec = kernels::vec_width<T>(out.cols, {{out.data, out.row_stride}, {src.data, src.row_stride}});
+  kernels::with_variant<T>(vec, w != nullptr, [&](auto v, auto weighted) {
+    constexpr int V = decltype(v)::value;
+    const int64_t tiles = kernels::tiles<V>(out.cols);
+    const kernels::AddArgs<T> a{static_cast<T*>(out.data), out.row_stride, static_cast<const T*>(src.data),
+                                src.row_stride, static_cast<const kernels::acc_t<T>*>(w),
+                                at<uint32_t>(ws, l.run_keys), at<uint32_t>(ws, l.run_offsets),
+                                at<uint32_t>(ws, l.run_counts), at<int>(ws, l.num_runs), at<uint32_t>(ws, l.ids_out),
+                                static_cast<uint32_t>(out.rows), out.cols, tiles,
+                                at<unsigned long long>(ws, l.bad)};
+    const int64_t tasks = k * tiles;  // runs <= K; tasks past the last run return at once
+    kernels::add_rows<T, V, decltype(weighted)::value><<<grid_for(tasks * 32), kThreads, 0, stream>>>(a, tasks);
+  });
+  check_cuda(cudaGetLastError(), "add_rows launch");
 }
 
 template <class T, class I>
-void dispatch_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const void* w,
-                     std::optional<int64_t> ignore, cudaStream_t stream) {
-  constexpr int V = 16 / sizeof(T);
-  const int64_t k = index.size;
-  const int64_t blocks = (k * 32 + kThreads - 1) / kThreads;
-  const bool vec = vec_width(sizeof(T), dst.cols, {{dst.data, dst.row_stride}, {x.data, x.row_stride}}) == V;
-  auto go = [&](auto kernel) {
-    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        static_cast<T*>(dst.data), dst.row_stride, static_cast<const T*>(x.data), x.row_stride,
-        static_cast<const I*>(index.data), k, ignore.has_value(), ignore.value_or(0),
-        static_cast<const typename kernels::Acc<T>::type*>(w), dst.cols);
-  };
-  if (vec) {
-    if (w) go(kernels::gather_rows<T, I, V, true>); else go(kernels::gather_rows<T, I, V, false>);
-  } else {
-    if (w) go(kernels::gather_rows<T, I, 1, true>); else go(kernels::gather_rows<T, I, 1, false>);
-  }
+void launch_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const void* w,
+                   std::optional<int64_t> ignore, const unsigned long long* bad, cudaStream_t stream) {
+  const int vec = kernels::vec_width<T>(dst.cols, {{dst.data, dst.row_stride}, {x.data, x.row_stride}});
+  kernels::with_variant<T>(vec, w != nullptr, [&](auto v, auto weighted) {
+    constexpr int V = decltype(v)::value;
+    const int64_t tiles = kernels::tiles<V>(dst.cols);
+    const kernels::GatherArgs<T, I> a{static_cast<T*>(dst.data), dst.row_stride, static_cast<const T*>(x.data),
+                                      x.row_stride, static_cast<const I*>(index.data), index.size,
+                                      ignore.has_value(), ignore.value_or(0),
+                                      static_cast<const kernels::acc_t<T>*>(w), dst.cols, tiles, bad};
+    const int64_t tasks = index.size * tiles;
+    kernels::gather_rows<T, I, V, decltype(weighted)::value><<<grid_for(tasks * 32), kThreads, 0, stream>>>(a, tasks);
+  });
+  check_cuda(cudaGetLastError(), "gather_rows launch");
 }
 
 template <class F>
@@ -185,56 +196,55 @@ void by_dtype(DType t, F&& f) {
 }  // namespace
 
 size_t workspace_bytes(int64_t k, int64_t n) { return layout(k, n).total; }
+size_t gather_workspace_bytes() { return kGatherWorkspace; }
 
 void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const WeightVector& weight,
-                    std::optional<int64_t> ignore, void* ws, size_t ws_bytes, cudaStream_t stream) {
+                    std::optional<int64_t> ignore, void* ws, size_t ws_bytes, cudaStream_t stream, IndexCheck check) {
   const char* op = "index_add_rows";
   const int64_t k = index.size, n = out.rows;
-  const Layout l = check_args(op, out, "out", src, "src", k, weight, ws_bytes);
+  const Layout l = layout(k, n);
+  check_args(op, out, "out", src, "src", k, weight, ws_bytes, l.total);
   if (k == 0) return;
-  if (index.type == IndexType::i32) validate<int32_t>(op, index, n, ignore, ws, l, stream);
-  else validate<int64_t>(op, index, n, ignore, ws, l, stream);
-  if (out.cols == 0) return;
-  // Plan: keys (row or n for ignored), stable sort by key, runs of equal keys, their offsets.
-  const int blocks = static_cast<int>(std::min<int64_t>((k + kThreads - 1) / kThreads, 4096));
-  if (index.type == IndexType::i32)
-    kernels::make_keys<int32_t><<<blocks, kThreads, 0, stream>>>(static_cast<const int32_t*>(index.data), k, n,
-        ignore.has_value(), ignore.value_or(0), at<uint32_t>(ws, l.keys_in), at<uint32_t>(ws, l.ids_in));
-  else
-    kernels::make_keys<int64_t><<<blocks, kThreads, 0, stream>>>(static_cast<const int64_t*>(index.data), k, n,
-        ignore.has_value(), ignore.value_or(0), at<uint32_t>(ws, l.keys_in), at<uint32_t>(ws, l.ids_in));
-  check_cuda(cudaGetLastError(), "make_keys launch");
-  size_t tb = l.temp_bytes;
-  const int kk = static_cast<int>(k);
-  check_cuda(cub::DeviceRadixSort::SortPairs(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.keys_in),
-                                             at<uint32_t>(ws, l.keys_out), at<uint32_t>(ws, l.ids_in),
-                                             at<uint32_t>(ws, l.ids_out), kk, 0, key_bits(n), stream), "sort");
-  tb = l.temp_bytes;
-  check_cuda(cub::DeviceRunLengthEncode::Encode(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.keys_out),
-                                                at<uint32_t>(ws, l.run_keys), at<uint32_t>(ws, l.run_counts),
-                                                at<int>(ws, l.num_runs), kk, stream), "run-length encode");
-  tb = l.temp_bytes;
-  check_cuda(cub::DeviceScan::ExclusiveSum(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.run_counts),
-                                           at<uint32_t>(ws, l.run_offsets), kk, stream), "scan");
-  by_dtype(out.dtype, [&](auto tag) { dispatch_add<decltype(tag)>(out, src, weight.data, ws, l, k, stream); });
-  check_cuda(cudaGetLastError(), "add_rows launch");
+  auto* bad = at<unsigned long long>(ws, l.bad);
+  const bool plan = out.cols != 0;
+  by_index(index.type, [&](auto tag) {
+    using I = decltype(tag);
+    launch_check<I>(index, n, ignore, bad, plan ? at<uint32_t>(ws, l.keys_in) : nullptr, at<uint32_t>(ws, l.ids_in),
+                    stream);
+  });
+  if (plan) {
+    // Plan: stable sort of (key, source id), runs of equal keys, their offsets; then the rows.
+    size_t tb = l.temp_bytes;
+    const int kk = static_cast<int>(k);
+    check_cuda(cub::DeviceRadixSort::SortPairs(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.keys_in),
+                                               at<uint32_t>(ws, l.keys_out), at<uint32_t>(ws, l.ids_in),
+                                               at<uint32_t>(ws, l.ids_out), kk, 0, key_bits(n), stream), "sort");
+    tb = l.temp_bytes;
+    check_cuda(cub::DeviceRunLengthEncode::Encode(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.keys_out),
+                                                  at<uint32_t>(ws, l.run_keys), at<uint32_t>(ws, l.run_counts),
+                                                  at<int>(ws, l.num_runs), kk, stream), "run-length encode");
+    tb = l.temp_bytes;
+    check_cuda(cub::DeviceScan::ExclusiveSum(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.run_counts),
+                                             at<uint32_t>(ws, l.run_offsets), kk, stream), "scan");
+    by_dtype(out.dtype, [&](auto tag) { launch_add<decltype(tag)>(out, src, weight.data, ws, l, k, stream); });
+  }
+  by_index(index.type, [&](auto tag) { report<decltype(tag)>(op, index, n, ignore, bad, check, stream); });
 }
 
 void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const WeightVector& weight,
-                 std::optional<int64_t> ignore, void* ws, size_t ws_bytes, cudaStream_t stream) {
+                 std::optional<int64_t> ignore, void* ws, size_t ws_bytes, cudaStream_t stream, IndexCheck check) {
   const char* op = "gather_rows";
   const int64_t k = index.size;
-  const Layout l = check_args(op, x, "x", dst, "dst", k, weight, ws_bytes);
+  check_args(op, x, "x", dst, "dst", k, weight, ws_bytes, kGatherWorkspace);
   if (k == 0) return;
-  if (index.type == IndexType::i32) validate<int32_t>(op, index, x.rows, ignore, ws, l, stream);
-  else validate<int64_t>(op, index, x.rows, ignore, ws, l, stream);
-  if (dst.cols == 0) return;
-  by_dtype(dst.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    if (index.type == IndexType::i32) dispatch_gather<T, int32_t>(dst, x, index, weight.data, ignore, stream);
-    else dispatch_gather<T, int64_t>(dst, x, index, weight.data, ignore, stream);
+  auto* bad = static_cast<unsigned long long*>(ws);
+  by_index(index.type, [&](auto itag) {
+    using I = decltype(itag);
+    launch_check<I>(index, x.rows, ignore, bad, nullptr, nullptr, stream);
+    if (dst.cols != 0)
+      by_dtype(dst.dtype, [&](auto tag) { launch_gather<decltype(tag), I>(dst, x, index, weight.data, ignore, bad, stream); });
+    report<I>(op, index, x.rows, ignore, bad, check, stream);
   });
-  check_cuda(cudaGetLastError(), "gather_rows launch");
 }
 
 }  // namespace cuda

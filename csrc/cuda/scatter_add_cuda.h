@@ -1,14 +1,21 @@
 // scatter_add on NVIDIA GPUs: the same semantics as the CPU core (include/scatter_add), for device
 // pointers, on a caller's stream, with a caller-provided workspace (CUB's two-phase model).
 //
-//   size_t bytes = workspace_bytes(K, N);                 // query once
+//   size_t bytes = workspace_bytes(K, N);                 // index_add_rows' scratch
 //   index_add_rows(out, index, src, weight, ignore, ws, bytes, stream);
-//   gather_rows(dst, x, index, weight, ignore, ws, bytes, stream);
+//   gather_rows(dst, x, index, weight, ignore, ws, gather_workspace_bytes(), stream);
 //
-// Indices are validated on the device before anything is written; a bad one is copied back and
-// thrown as scatter_add::Error (this costs one stream synchronisation). The plan is a stable radix
-// sort of (destination, source id) pairs, so every destination row is summed by one warp in
-// source order: the result is bitwise deterministic. Weights are float32 (float64 for f64 data).
+// Every index value is checked on the device; the kernels that write skip all work when one is
+// out of range, so a bad index writes nothing. How it is reported (IndexCheck):
+//   host_error   (default) the call waits for its stream once, after all its work was queued,
+//                and throws scatter_add::Error naming the first bad position and value;
+//   device_trap  the call never waits (as torch's own CUDA ops): a one-thread kernel traps,
+//                which surfaces as a CUDA error at the next synchronisation and, as a
+//                device-side assert does, leaves the CUDA context unusable.
+// A stream that is being captured into a CUDA graph always gets device_trap.
+// The plan is a stable radix sort of (destination, source id) pairs, so every output element is
+// summed by one thread in source order: the result is bitwise deterministic, and equal to the CPU
+// core's FMA paths. Weights are float32 (float64 for f64 data).
 // Limits: N < 2^31 rows and K < 2^31 indices (64-bit offsets everywhere else).
 #pragma once
 
@@ -23,15 +30,18 @@
 namespace scatter_add {
 namespace cuda {
 
+enum class IndexCheck { host_error, device_trap };
+
 size_t workspace_bytes(int64_t k, int64_t n);
+size_t gather_workspace_bytes();
 
 void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatrix& src,
                     const WeightVector& weight, std::optional<int64_t> ignore_index, void* workspace,
-                    size_t workspace_bytes, cudaStream_t stream);
+                    size_t workspace_bytes, cudaStream_t stream, IndexCheck check = IndexCheck::host_error);
 
 void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& index,
                  const WeightVector& weight, std::optional<int64_t> ignore_index, void* workspace,
-                 size_t workspace_bytes, cudaStream_t stream);
+                 size_t workspace_bytes, cudaStream_t stream, IndexCheck check = IndexCheck::host_error);
 
 }  // namespace cuda
 }  // namespace scatter_add
