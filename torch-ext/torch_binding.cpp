@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "scatter_add/scatter_add.h"
@@ -207,9 +209,17 @@ c10::optional<Tensor> acc_weight(const c10::optional<Tensor>& w, const Tensor& d
   return w->to(data.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
 }
 
-Tensor cuda_workspace(const Tensor& index, int64_t rows) {
-  const size_t bytes = sa::cuda::workspace_bytes(index.numel(), rows);
+Tensor cuda_workspace(const Tensor& index, size_t bytes) {
   return at::empty({static_cast<int64_t>(bytes)}, index.options().dtype(at::kByte));
+}
+
+// SCATTER_ADD_CUDA_CHECK=trap: report bad indices with a device-side trap instead of waiting for
+// the stream (see csrc/cuda/scatter_add_cuda.h); read at every call.
+sa::cuda::IndexCheck cuda_index_check() {
+  const char* v = std::getenv("SCATTER_ADD_CUDA_CHECK");
+  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "host") == 0) return sa::cuda::IndexCheck::host_error;
+  if (std::strcmp(v, "trap") == 0) return sa::cuda::IndexCheck::device_trap;
+  TORCH_CHECK_VALUE(false, "SCATTER_ADD_CUDA_CHECK must be 'host' or 'trap', got '", v, "'");
 }
 
 void scatter_add_cuda(const Tensor& input, const Tensor& index, const Tensor& src,
@@ -217,10 +227,11 @@ void scatter_add_cuda(const Tensor& input, const Tensor& index, const Tensor& sr
   const c10::cuda::CUDAGuard guard(input.device());
   check_args("scatter_add", input, index, &src, weight);
   const auto w = acc_weight(weight, input);
-  Tensor ws = cuda_workspace(index, input.size(0));
+  const auto check = cuda_index_check();
+  Tensor ws = cuda_workspace(index, sa::cuda::workspace_bytes(index.numel(), input.size(0)));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   scatter_add_into("scatter_add", input, index, src, w, [&](auto o, auto i, auto s, auto wv) {
-    sa::cuda::index_add_rows(o, i, s, wv, ignore_index, ws.data_ptr(), ws.numel(), stream);
+    sa::cuda::index_add_rows(o, i, s, wv, ignore_index, ws.data_ptr(), ws.numel(), stream, check);
   });
 }
 
@@ -229,10 +240,11 @@ Tensor gather_cuda(const Tensor& input, const Tensor& index, const c10::optional
   const c10::cuda::CUDAGuard guard(input.device());
   check_args("gather", input, index, nullptr, weight);
   const auto w = acc_weight(weight, input);
-  Tensor ws = cuda_workspace(index, input.size(0));
+  const auto check = cuda_index_check();
+  Tensor ws = cuda_workspace(index, sa::cuda::gather_workspace_bytes());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   return gather_from(input, index, w, [&](auto d, auto i, auto x, auto wv) {
-    sa::cuda::gather_rows(d, x, i, wv, ignore_index, ws.data_ptr(), ws.numel(), stream);
+    sa::cuda::gather_rows(d, x, i, wv, ignore_index, ws.data_ptr(), ws.numel(), stream, check);
   });
 }
 #endif
