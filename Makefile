@@ -64,7 +64,8 @@ fuzz: fuzz-build
 	.build/fuzz/fuzz_scatter_add -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 .build/fuzz/new tests/fuzz/corpus
 	.build/fuzz/fuzz_scatter_add -merge=1 tests/fuzz/corpus .build/fuzz/new 2>&1 | tail -n 1
 
-# CUDA: compile-only here (sm_80, sm_90); runs on a GPU machine via scripts/gpu_check.sh.
+# CUDA: compiled for sm_80 and sm_90; the kernels' per-task code runs on the CPU against the core
+# (tests/cuda/host_sim.cu, also under ASan+UBSan); on a GPU machine, scripts/gpu_check.sh.
 NVCC := $(shell command -v nvcc 2>/dev/null)
 cuda: deps
 ifeq ($(NVCC),)
@@ -73,6 +74,9 @@ else
 	cmake -S . -B .build/cuda -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF >/dev/null
 	cmake --build .build/cuda -j $(JOBS) --target scatter_add_cuda cuda_host_sim
 	.build/cuda/cuda_host_sim
+	cmake -S . -B .build/cuda-asan -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_SANITIZE="address;undefined" -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake --build .build/cuda-asan -j $(JOBS) --target cuda_host_sim
+	.build/cuda-asan/cuda_host_sim
 endif
 
 # The cu<ver> hub variant, built against pip's CUDA torch in its own venv (compile and link only).
@@ -104,6 +108,7 @@ bench: hub
 
 bench-quick: hub
 	$(PY) benchmarks/bench_torch.py --quick --out .build/bench-quick
+	$(PY) benchmarks/bench_cuda.py --smoke --out .build/bench-cuda-smoke
 
 clean:
 	rm -rf .build build results

@@ -5,8 +5,9 @@
 //
 //   check_index   every index value against [0, N) (ignore_index excepted): the first bad
 //                 position goes to *bad (atomicMin); also writes the sort keys and ids for the plan.
-//   add_tile      one destination row x one column tile: out = round(out + sum_j w_j * src_j), the
-//                 contributions in source order, accumulated in float32 (float64 for f64).
+//   add_tile      one run of the sorted keys (a destination row) x one column tile:
+//                 out = round(out + sum_j w_j * src_j), the contributions in source order,
+//                 accumulated in float32 (float64 for f64).
 //   gather_tile   one output row x one column tile: dst[i] = w[i] * x[index[i]] (0 for ignored).
 // Both writers return before touching memory when *bad is set, so a bad index writes nothing.
 #pragma once
@@ -109,23 +110,38 @@ SA_HD void check_one(const KeyArgs<I>& a, int64_t i) {
   }
 }
 
-// ---- index_add: one warp task per (destination row, column tile) ----------------------------
+// ---- index_add: one warp task per (sorted position, column tile) ---------------------------
+// keys/ids are the stable sort of (destination, source id) pairs. The task at the first position
+// of each run of equal keys sums that run; the others return at once. This needs no run-length
+// encoding or scan of the runs: the plan is the sort alone.
 template <class T>
 struct AddArgs {
   T* out;
   int64_t out_stride;
   const T* src;
   int64_t src_stride;
-  const acc_t<T>* w;  // per source row; unused when unweighted
-  const uint32_t* run_keys;     // destination row of each run of equal sorted keys
-  const uint32_t* run_offsets;  // start of each run in ids
-  const uint32_t* run_counts;
-  const int* num_runs;
-  const uint32_t* ids;  // source rows, sorted stably by destination
-  uint32_t sentinel;    // the key of ignored entries (N)
+  const acc_t<T>* w;     // per source row; unused when unweighted
+  const uint32_t* keys;  // sorted destinations; the sentinel (N, ignored entries) sorts last
+  const uint32_t* ids;   // source rows in the same order (ascending within a destination)
+  int64_t k;
+  uint32_t sentinel;
   int64_t d, tiles;
   const unsigned long long* bad;
 };
+
+// Length of the run of `key` starting at pos, reading 4 keys per step (independent loads).
+SA_HD int64_t run_length(const uint32_t* keys, int64_t k, int64_t pos, uint32_t key) {
+  int64_t end = pos + 1;
+  for (;;) {
+    uint32_t next[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) next[u] = end + u < k ? keys[end + u] : ~key;
+    int m = 0;
+    while (m < 4 && next[m] == key) ++m;
+    end += m;
+    if (m < 4) return end - pos;
+  }
+}
 
 template <class T, int VEC, bool WEIGHTED>
 SA_HD void add_tile(const AddArgs<T>& a, int64_t task, int lane) {
@@ -133,12 +149,11 @@ SA_HD void add_tile(const AddArgs<T>& a, int64_t task, int lane) {
   using C = Chunk<T, VEC>;
   constexpr int U = kChunksPerLane<VEC>;
   if (*a.bad != kNoBad) return;
-  const int64_t run = task / a.tiles;
-  if (run >= *a.num_runs) return;
-  const uint32_t row = a.run_keys[run];
-  if (row == a.sentinel) return;
+  const int64_t pos = task / a.tiles;
+  const uint32_t row = a.keys[pos];
+  if (row == a.sentinel || (pos > 0 && a.keys[pos - 1] == row)) return;
+  const int64_t n = run_length(a.keys, a.k, pos, row);
   const int64_t c0 = (task % a.tiles) * kTileCols<VEC> + int64_t(lane) * VEC;
-  const uint32_t beg = a.run_offsets[run], n = a.run_counts[run];
   T* o = a.out + int64_t(row) * a.out_stride + c0;
   bool live[U];
   A acc[U][VEC];
@@ -151,8 +166,8 @@ SA_HD void add_tile(const AddArgs<T>& a, int64_t task, int lane) {
       for (int e = 0; e < VEC; ++e) acc[u][e] = to_acc<T, A>(oc.v[e]);
     }
   }
-  for (uint32_t j = 0; j < n; ++j) {
-    const uint32_t id = a.ids[beg + j];
+  for (int64_t j = pos; j < pos + n; ++j) {
+    const uint32_t id = a.ids[j];
     const T* s = a.src + int64_t(id) * a.src_stride + c0;
     C x[U];
 #pragma unroll

@@ -1,11 +1,9 @@
 // Launchers of the CUDA path (see scatter_add_cuda.h): argument checks; one pass over the index
-// that checks every value and writes the sort keys; the plan (CUB stable radix sort of
-// (row, source id) pairs, run-length encoding of the rows, exclusive scan of the run lengths); one
-// warp per (destination row, column tile); then the bad-index report. The writers skip all work
+// that checks every value and writes the sort keys; the plan (a CUB stable radix sort of
+// (row, source id) pairs over ceil(log2(N + 1)) key bits); one warp per (run of equal keys, column
+// tile); then the bad-index report. The writers skip all work
 // when the check found a bad value, so nothing waits for the host between the stages.
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_run_length_encode.cuh>
-#include <cub/device/device_scan.cuh>
 
 #include <algorithm>
 #include <string>
@@ -39,30 +37,25 @@ int key_bits(int64_t n) {
 
 // Workspace layout, 256-byte aligned pieces.
 struct Layout {
-  size_t keys_in, keys_out, ids_in, ids_out, run_keys, run_counts, run_offsets, num_runs, bad, temp, temp_bytes, total;
+  size_t keys_in, keys_out, ids_in, ids_out, bad, temp, temp_bytes, total;
 };
 
 Layout layout(int64_t k, int64_t n) {
-  size_t sort_b = 0, rle_b = 0, scan_b = 0;
-  const int kk = static_cast<int>(k);
-  cub::DeviceRadixSort::SortPairs(nullptr, sort_b, (uint32_t*)nullptr, (uint32_t*)nullptr, (uint32_t*)nullptr,
-                                  (uint32_t*)nullptr, kk, 0, key_bits(n));
-  cub::DeviceRunLengthEncode::Encode(nullptr, rle_b, (uint32_t*)nullptr, (uint32_t*)nullptr, (uint32_t*)nullptr,
-                                     (int*)nullptr, kk);
-  cub::DeviceScan::ExclusiveSum(nullptr, scan_b, (uint32_t*)nullptr, (uint32_t*)nullptr, kk);
+  size_t sort_b = 0;
+  check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_b, (uint32_t*)nullptr, (uint32_t*)nullptr,
+                                             (uint32_t*)nullptr, (uint32_t*)nullptr, static_cast<int>(k), 0,
+                                             key_bits(n)), "sort size query");
   Layout l{};
   const size_t arr = align_up(sizeof(uint32_t) * std::max<int64_t>(k, 1));
   size_t at = 0;
-  for (size_t* f : {&l.keys_in, &l.keys_out, &l.ids_in, &l.ids_out, &l.run_keys, &l.run_counts, &l.run_offsets}) {
+  for (size_t* f : {&l.keys_in, &l.keys_out, &l.ids_in, &l.ids_out}) {
     *f = at;
     at += arr;
   }
-  l.num_runs = at;
-  at += 256;
   l.bad = at;
   at += 256;
   l.temp = at;
-  l.temp_bytes = std::max({sort_b, rle_b, scan_b, size_t(1)});
+  l.temp_bytes = std::max(sort_b, size_t(1));
   l.total = at + align_up(l.temp_bytes);
   return l;
 }
@@ -156,11 +149,10 @@ void launch_add(const Matrix& out, const ConstMatrix& src, const void* w, void* 
     const int64_t tiles = kernels::tiles<V>(out.cols);
     const kernels::AddArgs<T> a{static_cast<T*>(out.data), out.row_stride, static_cast<const T*>(src.data),
                                 src.row_stride, static_cast<const kernels::acc_t<T>*>(w),
-                                at<uint32_t>(ws, l.run_keys), at<uint32_t>(ws, l.run_offsets),
-                                at<uint32_t>(ws, l.run_counts), at<int>(ws, l.num_runs), at<uint32_t>(ws, l.ids_out),
+                                at<uint32_t>(ws, l.keys_out), at<uint32_t>(ws, l.ids_out), k,
                                 static_cast<uint32_t>(out.rows), out.cols, tiles,
                                 at<unsigned long long>(ws, l.bad)};
-    const int64_t tasks = k * tiles;  // runs <= K; tasks past the last run return at once
+    const int64_t tasks = k * tiles;  // tasks not at the start of a run return at once
     kernels::add_rows<T, V, decltype(weighted)::value><<<grid_for(tasks * 32), kThreads, 0, stream>>>(a, tasks);
   });
   check_cuda(cudaGetLastError(), "add_rows launch");
@@ -213,19 +205,12 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
                     stream);
   });
   if (plan) {
-    // Plan: stable sort of (key, source id), runs of equal keys, their offsets; then the rows.
+    // Plan: stable sort of (key, source id) pairs by key; then the rows, one run each.
     size_t tb = l.temp_bytes;
-    const int kk = static_cast<int>(k);
     check_cuda(cub::DeviceRadixSort::SortPairs(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.keys_in),
                                                at<uint32_t>(ws, l.keys_out), at<uint32_t>(ws, l.ids_in),
-                                               at<uint32_t>(ws, l.ids_out), kk, 0, key_bits(n), stream), "sort");
-    tb = l.temp_bytes;
-    check_cuda(cub::DeviceRunLengthEncode::Encode(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.keys_out),
-                                                  at<uint32_t>(ws, l.run_keys), at<uint32_t>(ws, l.run_counts),
-                                                  at<int>(ws, l.num_runs), kk, stream), "run-length encode");
-    tb = l.temp_bytes;
-    check_cuda(cub::DeviceScan::ExclusiveSum(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.run_counts),
-                                             at<uint32_t>(ws, l.run_offsets), kk, stream), "scan");
+                                               at<uint32_t>(ws, l.ids_out), static_cast<int>(k), 0, key_bits(n),
+                                               stream), "sort");
     by_dtype(out.dtype, [&](auto tag) { launch_add<decltype(tag)>(out, src, weight.data, ws, l, k, stream); });
   }
   by_index(index.type, [&](auto tag) { report<decltype(tag)>(op, index, n, ignore, bad, check, stream); });

@@ -1,7 +1,6 @@
 // The CUDA kernels' own code (csrc/cuda/kernels.cuh), run on the CPU: every warp task and every
 // lane of check_index, add_rows and gather_rows, one after another, over a plan built on the host
-// exactly as the launcher's CUB calls build it (stable sort of (key, id), run-length encoding,
-// exclusive scan, arrays of K entries whose tail past num_runs holds garbage). The tasks share
+// as the launcher's CUB call builds it (a stable sort of (key, id) pairs). The tasks share
 // nothing (no shuffles, no shared memory), so running them in sequence is what the GPU computes.
 // Checks, for every dtype x index type x weight x ignore_index x shape x layout:
 //   - the result equals the CPU core's bit for bit (the core at an FMA level: same roundings);
@@ -52,7 +51,10 @@ template <class T>
 struct Mat {
   std::vector<T> buf;
   int64_t rows, cols, stride, offset;
-  Mat(int64_t r, int64_t c, int64_t s, int64_t off) : buf(size_t(off + std::max<int64_t>(r, 1) * s + c + 8)), rows(r), cols(c), stride(s), offset(off) {}
+  // Exactly the bytes the view spans (the last row ends the buffer), so that AddressSanitizer
+  // (make cuda runs an ASan build too) sees any read or write past it.
+  Mat(int64_t r, int64_t c, int64_t s, int64_t off)
+      : buf(size_t(std::max<int64_t>(off + (r > 0 ? (r - 1) * s + c : 0), 1))), rows(r), cols(c), stride(s), offset(off) {}
   T* data() { return buf.data() + offset; }
   sa::Matrix view() { return {data(), rows, cols, stride, dtype_of<T>()}; }
   bool same_bits(const Mat& o) const { return std::memcmp(buf.data(), o.buf.data(), buf.size() * sizeof(T)) == 0; }
@@ -65,12 +67,10 @@ void fill(Mat<T>& m, std::mt19937& g) {
 }
 
 struct Plan {  // the device workspace's arrays, K entries each
-  std::vector<uint32_t> keys, ids, keys_out, ids_out, run_keys, run_counts, run_offsets;
-  int num_runs = 0;
+  std::vector<uint32_t> keys, ids, keys_out, ids_out;
 };
 
-// What cub::DeviceRadixSort::SortPairs (stable), DeviceRunLengthEncode::Encode and
-// DeviceScan::ExclusiveSum leave in the workspace.
+// What cub::DeviceRadixSort::SortPairs (stable) leaves in the workspace.
 void build_plan(Plan& p, int64_t k) {
   std::vector<uint32_t> order(k);
   std::iota(order.begin(), order.end(), 0u);
@@ -80,23 +80,6 @@ void build_plan(Plan& p, int64_t k) {
   for (int64_t i = 0; i < k; ++i) {
     p.keys_out[i] = p.keys[order[i]];
     p.ids_out[i] = p.ids[order[i]];
-  }
-  const uint32_t garbage = 0xA5A5A5A5u;
-  p.run_keys.assign(k, garbage);
-  p.run_counts.assign(k, garbage);
-  p.run_offsets.assign(k, garbage);
-  p.num_runs = 0;
-  for (int64_t i = 0; i < k; ++i) {
-    if (i == 0 || p.keys_out[i] != p.keys_out[i - 1]) {
-      p.run_keys[p.num_runs] = p.keys_out[i];
-      p.run_counts[p.num_runs++] = 0;
-    }
-    ++p.run_counts[p.num_runs - 1];
-  }
-  uint32_t at = 0;
-  for (int64_t r = 0; r < k; ++r) {  // the launcher scans all K entries, garbage included
-    p.run_offsets[r] = at;
-    at += p.run_counts[r];
   }
 }
 
@@ -116,9 +99,8 @@ unsigned long long sim_index_add(Mat<T>& out, const std::vector<I>& index, Mat<T
   kn::with_variant<T>(vec, w != nullptr, [&](auto v, auto weighted) {
     constexpr int V = decltype(v)::value;
     const int64_t tiles = kn::tiles<V>(out.cols);
-    const kn::AddArgs<T> a{out.data(), out.stride, src.data(), src.stride, w, p.run_keys.data(), p.run_offsets.data(),
-                           p.run_counts.data(), &p.num_runs, p.ids_out.data(), static_cast<uint32_t>(n), out.cols,
-                           tiles, &bad};
+    const kn::AddArgs<T> a{out.data(), out.stride, src.data(), src.stride, w, p.keys_out.data(), p.ids_out.data(), k,
+                           static_cast<uint32_t>(n), out.cols, tiles, &bad};
     for (int64_t t = 0; t < k * tiles; ++t)
       for (int lane = 0; lane < 32; ++lane) kn::add_tile<T, V, decltype(weighted)::value>(a, t, lane);
   });
