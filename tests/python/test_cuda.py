@@ -1,0 +1,243 @@
+"""The ops on CUDA tensors (scripts/gpu_check.sh runs these on a GPU machine; where torch sees no
+CUDA device every test here is skipped with that reason, and tests/cuda/host_sim.cu, run by
+`make cuda`, checks the kernels' code on the CPU instead).
+
+The CUDA kernels round exactly as the CPU core's FMA paths do, so most checks are bit for bit
+against the CPU ops: every dtype x index dtype x weight x ignore_index, the MoE shape, a hot row,
+strided and misaligned views; then determinism, the bad-input catalogue (same exception, message,
+input untouched), the no-wait check mode, CUDA graph capture, a side stream, autograd,
+torch.compile and offsets past 2^31 elements."""
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from test_errors import ERROR_CASES, bits, call
+from test_ops import DTYPES, make_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device: run scripts/gpu_check.sh on a GPU machine")
+
+SHAPES = [(64, 128, 96, "topk"), (7, 300, 33, "random"), (1, 5, 17, "same"), (50, 0, 8, "random"),
+          (300, 600, 1, "random"), (4096, 8192, 2048, "topk"),  # the MoE combine shape, top-2
+          (16, 5000, 520, "same")]  # one hot row with 5000 contributions
+
+
+def cuda(t):
+    return None if t is None else t.cuda()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["noweight", "weight"])
+@pytest.mark.parametrize("ignore", [None, -1, 0], ids=["noignore", "ignore-1", "ignore0"])
+def test_cuda_equals_cpu_bitwise(sa, dtype, index_dtype, weighted, ignore):
+    for seed, (n, k, d, dup) in enumerate(SHAPES):
+        inp, index, src, w = make_case(n, k, d, dtype, index_dtype, "cpu", seed=seed, weighted=weighted,
+                                       ignore=ignore, dup=dup)
+        cpu = sa.index_add(inp, index, src, weight=w, ignore_index=ignore)
+        gpu = sa.index_add(inp.cuda(), index.cuda(), src.cuda(), weight=cuda(w), ignore_index=ignore)
+        assert gpu.is_cuda and torch.equal(bits(gpu.cpu()), bits(cpu)), (n, k, d, dup)
+        x = inp.cuda()
+        assert sa.scatter_add(x, index.cuda(), src.cuda(), weight=cuda(w), ignore_index=ignore) is x
+        assert torch.equal(bits(x.cpu()), bits(cpu))
+        g_cpu = sa.gather(inp, index, weight=w, ignore_index=ignore)
+        g_gpu = sa.gather(inp.cuda(), index.cuda(), weight=cuda(w), ignore_index=ignore)
+        assert torch.equal(bits(g_gpu.cpu()), bits(g_cpu)), (n, k, d, dup)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_strided_and_misaligned_views(sa, dtype):
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(40, 2048 + 9, generator=g).to(dtype)
+    src_base = torch.randn(100, 2048 + 3, generator=g).to(dtype)
+    index = torch.randint(0, 40, (100,), generator=g)
+    for cols in (slice(0, 2048), slice(1, 2049), slice(8, 2056)):  # aligned rows, misaligned, padded
+        for s in (src_base[:, :2048], src_base[:, 3:2051], src_base[:, :2048].clone()):
+            inp = base[:, cols]
+            cpu = inp.clone()
+            sa.scatter_add(cpu, index, s)
+            gbase = base.cuda()
+            ginp = gbase[:, cols]
+            sa.scatter_add(ginp, index.cuda(), s.cuda())
+            assert torch.equal(bits(ginp.cpu()), bits(cpu))
+            outside = torch.ones(base.shape[1], dtype=torch.bool)
+            outside[cols] = False
+            assert torch.equal(bits(gbase[:, outside].cpu()), bits(base[:, outside]))  # untouched
+            assert torch.equal(bits(sa.gather(ginp, index.cuda()).cpu()), bits(sa.gather(inp, index)))
+    # a column-strided (transposed) input
+    t = torch.randn(64, 40, generator=g).to(dtype).t()
+    s = torch.randn(100, 64, generator=g).to(dtype)
+    cpu = t.clone()
+    sa.scatter_add(cpu, index, s)
+    gt = t.cuda()
+    sa.scatter_add(gt, index.cuda(), s.cuda())
+    assert torch.equal(bits(gt.cpu()), bits(cpu))
+
+
+def test_cuda_deterministic(sa):
+    inp, index, src, w = make_case(2048, 32768, 1024, torch.bfloat16, torch.int64, "cuda", seed=3, weighted=True)
+    hot = index.clone()
+    hot[:20000] = 5
+    for idx in (index, hot):
+        runs = [bits(sa.index_add(inp, idx, src, weight=w)) for _ in range(4)]
+        for r in runs[1:]:
+            assert torch.equal(r, runs[0])
+
+
+def _on_cuda(kw):
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+# The catalogue's cases that do not depend on where the tensors live (the device-mismatch and
+# memory-overlap cases are built from CPU storage).
+CUDA_ERROR_CASES = [c for c in ERROR_CASES if c[1] is not None and c[0] != "device-mismatch" and "overlaps" not in c[0]]
+
+
+@pytest.mark.parametrize("case", CUDA_ERROR_CASES, ids=[c[0] for c in CUDA_ERROR_CASES])
+def test_cuda_error_case(sa, case):
+    name, kw, op, exc, fragment = case
+    kw = _on_cuda(kw)
+    before = bits(kw["input"])
+    with pytest.raises(exc, match=re.escape(fragment)):
+        call(sa, op, kw)
+    assert torch.equal(bits(kw["input"]), before), f"{name}: input changed"
+
+
+def test_cuda_bad_index_in_a_large_call_writes_nothing(sa):
+    inp, index, src, w = make_case(4096, 8192, 2048, torch.bfloat16, torch.int32, "cuda", seed=4, weighted=True,
+                                   dup="topk")
+    index[8000] = 4096
+    index[7000] = -3
+    before = bits(inp)
+    with pytest.raises(IndexError, match=r"index\[7000\] = -3 is out of range for 4096 rows"):
+        sa.scatter_add(inp, index, src, weight=w)
+    assert torch.equal(bits(inp), before)
+    with pytest.raises(IndexError, match=r"gather: index\[7000\] = -3"):
+        sa.gather(inp, index)
+
+
+def test_cuda_index_on_cpu_is_rejected(sa):
+    x = torch.zeros(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="index is on cpu but input is on cuda"):
+        sa.scatter_add(x, torch.tensor([0, 1]), torch.ones(2, 8, device="cuda"))
+
+
+def test_cuda_trap_mode_gives_the_same_bits(sa, monkeypatch):
+    inp, index, src, w = make_case(512, 1024, 2048, torch.bfloat16, torch.int32, "cuda", seed=6, weighted=True,
+                                   dup="topk")
+    host = bits(sa.index_add(inp, index, src, weight=w))
+    monkeypatch.setenv("SCATTER_ADD_CUDA_CHECK", "trap")
+    assert torch.equal(bits(sa.index_add(inp, index, src, weight=w)), host)
+    monkeypatch.setenv("SCATTER_ADD_CUDA_CHECK", "sometimes")
+    with pytest.raises(ValueError, match="SCATTER_ADD_CUDA_CHECK must be 'host' or 'trap', got 'sometimes'"):
+        sa.index_add(inp, index, src, weight=w)
+
+
+def test_cuda_trap_mode_reports_a_bad_index_on_the_device(tmp_path):
+    """No wait in the call; the error surfaces at the next synchronisation (a separate process:
+    a device trap leaves the CUDA context unusable)."""
+    script = f"""
+import os, sys
+sys.path.insert(0, {str(ROOT / 'tests' / 'python')!r})
+os.environ["SCATTER_ADD_CUDA_CHECK"] = "trap"
+import torch
+from conftest import load_sa
+sa = load_sa()
+x = torch.zeros(4, 8, device="cuda")
+sa.scatter_add(x, torch.tensor([0, 9], device="cuda"), torch.ones(2, 8, device="cuda"))
+print("call returned", flush=True)
+try:
+    torch.cuda.synchronize()
+    print("NO ERROR", flush=True)
+except Exception as e:
+    print("CUDA error:", type(e).__name__, e, flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert "call returned" in r.stdout, out
+    assert "NO ERROR" not in r.stdout, out
+    assert "CUDA error" in r.stdout or r.returncode != 0, out
+
+
+def test_cuda_graph_capture_and_replay(sa):
+    g = torch.Generator().manual_seed(7)
+    x0 = torch.randn(1024, 2048, generator=g).to(torch.bfloat16).cuda()
+    index = torch.randint(0, 1024, (2048,), generator=g).int().cuda()
+    src = torch.randn(2048, 2048, generator=g).to(torch.bfloat16).cuda()
+    w = torch.rand(2048, generator=g).cuda()
+    x = x0.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sa.scatter_add(x.clone(), index, src, weight=w)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sa.scatter_add(x, index, src, weight=w)
+    for trial in range(3):
+        new_src = torch.randn(2048, 2048, generator=g).to(torch.bfloat16).cuda()
+        new_index = torch.randint(0, 1024, (2048,), generator=g).int().cuda()
+        x.copy_(x0)
+        src.copy_(new_src)
+        index.copy_(new_index)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = sa.index_add(x0, new_index, new_src, weight=w)
+        assert torch.equal(bits(x), bits(expected)), trial
+
+
+def test_cuda_side_stream(sa):
+    inp, index, src, w = make_case(1024, 4096, 1024, torch.float16, torch.int64, "cpu", seed=8, weighted=True)
+    expected = sa.index_add(inp, index, src, weight=w)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = inp.cuda(non_blocking=False)
+        y = sa.index_add(x, index.cuda(), src.cuda(), weight=w.cuda())
+        z = sa.gather(y, index.cuda())
+    s.synchronize()
+    assert torch.equal(bits(y.cpu()), bits(expected))
+    assert torch.equal(bits(z.cpu()), bits(sa.gather(expected, index)))
+
+
+def test_cuda_gradcheck(sa):
+    g = torch.Generator().manual_seed(0)
+    inp = torch.randn(12, 10, dtype=torch.float64, generator=g).cuda().requires_grad_()
+    src = torch.randn(20, 10, dtype=torch.float64, generator=g).cuda().requires_grad_()
+    w = torch.rand(20, dtype=torch.float64, generator=g).cuda().requires_grad_()
+    index = torch.randint(0, 12, (20,), generator=g).cuda()
+    index[3] = -1
+    assert torch.autograd.gradcheck(lambda a, b, c: sa.index_add(a, index, b, weight=c, ignore_index=-1), (inp, src, w))
+    assert torch.autograd.gradcheck(lambda a, c: sa.gather(a, index, weight=c, ignore_index=-1), (inp, w))
+
+
+def test_cuda_torch_compile_matches_eager(sa):
+    torch._dynamo.reset()
+
+    def f(x, index, src, w):
+        return sa.index_add(x, index, src, weight=w)
+
+    inp, index, src, w = make_case(512, 1024, 2048, torch.bfloat16, torch.int32, "cuda", seed=9, weighted=True,
+                                   dup="topk")
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(bits(compiled(inp, index, src, w)), bits(f(inp, index, src, w)))
+
+
+def test_cuda_offsets_past_2_31(sa):
+    """N*D > 2^31 bf16 elements (4.3 GB on the device): rows near the end are written exactly."""
+    d = 32768
+    n = (1 << 31) // d + 64
+    x = torch.zeros(n, d, dtype=torch.bfloat16, device="cuda")
+    rows = torch.tensor([n - 1, n - 2, n - 1, 60000], device="cuda")
+    src = (torch.arange(4 * d, device="cuda") % 7 + 1).view(4, d).to(torch.bfloat16)
+    sa.scatter_add(x, rows, src, weight=torch.tensor([1.0, 2.0, 3.0, 1.0], device="cuda"))
+    s = src.float()
+    assert torch.equal(x[n - 1].float(), s[0] + 3 * s[2])
+    assert torch.equal(x[n - 2].float(), 2 * s[1])
+    g = sa.gather(x, torch.tensor([60000, n - 2], device="cuda"))
+    assert torch.equal(g, torch.stack([src[3], (2 * s[1]).to(torch.bfloat16)]))
+    del x
+    torch.cuda.empty_cache()
