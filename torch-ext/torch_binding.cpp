@@ -228,7 +228,8 @@ void scatter_add_cuda(const Tensor& input, const Tensor& index, const Tensor& sr
   check_args("scatter_add", input, index, &src, weight);
   const auto w = acc_weight(weight, input);
   const auto check = cuda_index_check();
-  Tensor ws = cuda_workspace(index, sa::cuda::workspace_bytes(index.numel(), input.size(0)));
+  Tensor ws = cuda_workspace(index, sa::cuda::workspace_bytes(index.numel(), input.size(0), input.size(1),
+                                                              to_dtype(input, "input")));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   scatter_add_into("scatter_add", input, index, src, w, [&](auto o, auto i, auto s, auto wv) {
     sa::cuda::index_add_rows(o, i, s, wv, ignore_index, ws.data_ptr(), ws.numel(), stream, check);

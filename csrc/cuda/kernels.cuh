@@ -7,7 +7,8 @@
 //                 position goes to *bad (atomicMin); also writes the sort keys and ids for the plan.
 //   add_tile      one run of the sorted keys (a destination row) x one column tile:
 //                 out = round(out + sum_j w_j * src_j), the contributions in source order,
-//                 accumulated in float32 (float64 for f64).
+//                 accumulated in float32 (float64 for f64); runs longer than kSegment in pieces,
+//   finish_tile   which this second pass adds up.
 //   gather_tile   one output row x one column tile: dst[i] = w[i] * x[index[i]] (0 for ignored).
 // Both writers return before touching memory when *bad is set, so a bad index writes nothing.
 #pragma once
@@ -111,9 +112,20 @@ SA_HD void check_one(const KeyArgs<I>& a, int64_t i) {
 }
 
 // ---- index_add: one warp task per (sorted position, column tile) ---------------------------
-// keys/ids are the stable sort of (destination, source id) pairs. The task at the first position
-// of each run of equal keys sums that run; the others return at once. This needs no run-length
-// encoding or scan of the runs: the plan is the sort alone.
+// keys/ids are the stable sort of (destination, source id) pairs; a run of equal keys is one
+// destination row. The task at the first position of a run sums it; the others return at once
+// (the plan is the sort alone: no run-length encoding, no scan).
+//
+// A run of more than kSegment contributions (a hot row) would leave one warp per column tile to
+// walk it alone, so it is cut at the sorted positions that are multiples of kSegment ("blocks"):
+// the run's first task sums its piece up to the next multiple into tail[block], the task at each
+// multiple it crosses sums the next piece into head[block], and finish_tile (a second kernel)
+// adds out + tail + head + head + ... in block order. The pieces depend only on the sorted
+// positions, so the result is still bitwise deterministic; only rounding differs from one
+// sequential sum. Runs of at most kSegment contributions are one sequential sum seeded with out,
+// exactly as the CPU core computes them.
+constexpr int64_t kSegment = 256;
+
 template <class T>
 struct AddArgs {
   T* out;
@@ -127,46 +139,62 @@ struct AddArgs {
   uint32_t sentinel;
   int64_t d, tiles;
   const unsigned long long* bad;
+  acc_t<T>* tail;         // [blocks, d] the first piece of the long run that starts in block b
+  acc_t<T>* head;         // [blocks, d] the piece of a long run that continues through block b
+  uint32_t* long_start;   // [blocks] where that long run starts, or ~0 (set before the call)
 };
 
-// Length of the run of `key` starting at pos, reading 4 keys per step (independent loads).
-SA_HD int64_t run_length(const uint32_t* keys, int64_t k, int64_t pos, uint32_t key) {
-  int64_t end = pos + 1;
+// Length of the run of `key` from pos, stopping at `limit`, reading 4 keys per step
+// (independent loads); the keys read are keys[pos + stride * i].
+SA_HD int64_t run_length(const uint32_t* keys, int64_t limit, int64_t pos, uint32_t key, int64_t stride = 1) {
+  int64_t m_total = 1;
   for (;;) {
     uint32_t next[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) next[u] = end + u < k ? keys[end + u] : ~key;
+    for (int u = 0; u < 4; ++u) {
+      const int64_t at = pos + stride * (m_total + u);
+      next[u] = at < limit ? keys[at] : ~key;
+    }
     int m = 0;
     while (m < 4 && next[m] == key) ++m;
-    end += m;
-    if (m < 4) return end - pos;
+    m_total += m;
+    if (m < 4) return m_total;
   }
 }
 
-template <class T, int VEC, bool WEIGHTED>
-SA_HD void add_tile(const AddArgs<T>& a, int64_t task, int lane) {
-  using A = acc_t<T>;
+// Loads the lane's chunks of row `o` (VEC elements each, U chunks 32 * VEC apart) into acc.
+template <class T, int VEC, int U>
+SA_HD void load_acc(acc_t<T> (&acc)[U][VEC], const T* o, const bool (&live)[U]) {
   using C = Chunk<T, VEC>;
-  constexpr int U = kChunksPerLane<VEC>;
-  if (*a.bad != kNoBad) return;
-  const int64_t pos = task / a.tiles;
-  const uint32_t row = a.keys[pos];
-  if (row == a.sentinel || (pos > 0 && a.keys[pos - 1] == row)) return;
-  const int64_t n = run_length(a.keys, a.k, pos, row);
-  const int64_t c0 = (task % a.tiles) * kTileCols<VEC> + int64_t(lane) * VEC;
-  T* o = a.out + int64_t(row) * a.out_stride + c0;
-  bool live[U];
-  A acc[U][VEC];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    live[u] = c0 + u * 32 * VEC < a.d;  // VEC > 1 only when VEC divides d: chunks are whole
-    if (live[u]) {
-      const C oc = *reinterpret_cast<const C*>(o + u * 32 * VEC);
+    if (!live[u]) continue;
+    const C oc = *reinterpret_cast<const C*>(o + u * 32 * VEC);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[u][e] = to_acc<T, A>(oc.v[e]);
-    }
+    for (int e = 0; e < VEC; ++e) acc[u][e] = to_acc<T, acc_t<T>>(oc.v[e]);
   }
-  for (int64_t j = pos; j < pos + n; ++j) {
+}
+
+template <class T, int VEC, int U>
+SA_HD void store_acc(T* o, const acc_t<T> (&acc)[U][VEC], const bool (&live)[U]) {
+  using C = Chunk<T, VEC>;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (!live[u]) continue;
+    C r;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) r.v[e] = from_acc<T, acc_t<T>>(acc[u][e]);
+    *reinterpret_cast<C*>(o + u * 32 * VEC) = r;
+  }
+}
+
+// acc += sum over sorted positions [beg, end) of w[id] * src[id], in order.
+template <class T, int VEC, int U, bool WEIGHTED>
+SA_HD void add_sources(acc_t<T> (&acc)[U][VEC], const AddArgs<T>& a, int64_t c0, int64_t beg, int64_t end,
+                       const bool (&live)[U]) {
+  using A = acc_t<T>;
+  using C = Chunk<T, VEC>;
+  for (int64_t j = beg; j < end; ++j) {
     const uint32_t id = a.ids[j];
     const T* s = a.src + int64_t(id) * a.src_stride + c0;
     C x[U];
@@ -182,14 +210,88 @@ SA_HD void add_tile(const AddArgs<T>& a, int64_t task, int lane) {
         acc[u][e] = WEIGHTED ? mad(wj, to_acc<T, A>(x[u].v[e]), acc[u][e]) : acc[u][e] + to_acc<T, A>(x[u].v[e]);
     }
   }
+}
+
+template <int VEC, int U>
+SA_HD void live_chunks(bool (&live)[U], int64_t c0, int64_t d) {
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    if (!live[u]) continue;
-    C r;
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) r.v[e] = from_acc<T, A>(acc[u][e]);
-    *reinterpret_cast<C*>(o + u * 32 * VEC) = r;
+  for (int u = 0; u < U; ++u) live[u] = c0 + u * 32 * VEC < d;  // VEC > 1 only when VEC divides d
+}
+
+template <class T, int VEC, bool WEIGHTED>
+SA_HD void add_tile(const AddArgs<T>& a, int64_t task, int lane) {
+  constexpr int U = kChunksPerLane<VEC>;
+  if (*a.bad != kNoBad) return;
+  const int64_t pos = task / a.tiles;
+  const uint32_t row = a.keys[pos];
+  if (row == a.sentinel) return;
+  const bool first = pos == 0 || a.keys[pos - 1] != row;
+  if (!first && pos % kSegment != 0) return;
+  const int64_t c0 = (task % a.tiles) * kTileCols<VEC> + int64_t(lane) * VEC;
+  bool live[U];
+  live_chunks<VEC, U>(live, c0, a.d);
+  // What this task sums, [pos, end), and where: into out (seeded with it) or into a piece.
+  const int64_t block = pos / kSegment, block_end = (block + 1) * kSegment;
+  acc_t<T>* piece = nullptr;
+  int64_t end;
+  if (!first) {  // a run crossing a multiple of kSegment: its piece in this block (unused when short)
+    end = pos + run_length(a.keys, block_end < a.k ? block_end : a.k, pos, row);
+    piece = a.head + block * a.d;
+  } else if (pos + kSegment < a.k && a.keys[pos + kSegment] == row) {  // > kSegment contributions
+    end = block_end;
+    piece = a.tail + block * a.d;
+    if (task % a.tiles == 0 && lane == 0) a.long_start[block] = static_cast<uint32_t>(pos);
+  } else {
+    end = pos + run_length(a.keys, a.k, pos, row);
   }
+  acc_t<T> acc[U][VEC];
+  T* o = a.out + int64_t(row) * a.out_stride + c0;
+  if (piece == nullptr) {
+    load_acc<T, VEC, U>(acc, o, live);
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[u][e] = acc_t<T>(0);
+  }
+  add_sources<T, VEC, U, WEIGHTED>(acc, a, c0, pos, end, live);
+  if (piece == nullptr) {
+    store_acc<T, VEC, U>(o, acc, live);
+    return;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (live[u])
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) piece[c0 + u * 32 * VEC + e] = acc[u][e];
+}
+
+// The second pass for long runs: one task per (block, column tile); out = out + tail + heads.
+template <class T, int VEC>
+SA_HD void finish_tile(const AddArgs<T>& a, int64_t task, int lane) {
+  constexpr int U = kChunksPerLane<VEC>;
+  if (*a.bad != kNoBad) return;
+  const int64_t block = task / a.tiles;
+  const uint32_t start = a.long_start[block];
+  if (start == ~0u) return;
+  const uint32_t row = a.keys[start];
+  const int64_t c0 = (task % a.tiles) * kTileCols<VEC> + int64_t(lane) * VEC;
+  bool live[U];
+  live_chunks<VEC, U>(live, c0, a.d);
+  // Blocks the run reaches: this one, then each next block whose first key is still `row`.
+  const int64_t blocks = run_length(a.keys, a.k, block * kSegment, row, kSegment);
+  acc_t<T> acc[U][VEC];
+  T* o = a.out + int64_t(row) * a.out_stride + c0;
+  load_acc<T, VEC, U>(acc, o, live);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const acc_t<T>* p = (b == 0 ? a.tail + block * a.d : a.head + (block + b) * a.d) + c0;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (live[u])
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[u][e] += p[u * 32 * VEC + e];
+  }
+  store_acc<T, VEC, U>(o, acc, live);
 }
 
 // ---- gather: one warp task per (output row, column tile) -----------------------------------
@@ -250,6 +352,13 @@ __global__ void __launch_bounds__(256) add_rows(AddArgs<T> a, int64_t tasks) {
   const int64_t step = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; t < tasks; t += step)
     add_tile<T, VEC, WEIGHTED>(a, t, threadIdx.x % 32);
+}
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(256) finish_rows(AddArgs<T> a, int64_t tasks) {
+  const int64_t step = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; t < tasks; t += step)
+    finish_tile<T, VEC>(a, t, threadIdx.x % 32);
 }
 
 template <class T, class I, int VEC, bool WEIGHTED>

@@ -35,25 +35,36 @@ int key_bits(int64_t n) {
   return b;
 }
 
-// Workspace layout, 256-byte aligned pieces.
+// Workspace layout, 256-byte aligned pieces. `flags` holds the bad-index flag (8 bytes) and then
+// long_start (one uint32 per block of kernels::kSegment sorted positions), set to all-ones by one
+// memset; tail and head are the long runs' pieces ([blocks, d] accumulators each).
 struct Layout {
-  size_t keys_in, keys_out, ids_in, ids_out, bad, temp, temp_bytes, total;
+  size_t keys_in, keys_out, ids_in, ids_out, flags, flag_bytes, tail, head, temp, temp_bytes, total;
+  int64_t blocks;
 };
 
-Layout layout(int64_t k, int64_t n) {
+Layout layout(int64_t k, int64_t n, int64_t d, DType dtype) {
   size_t sort_b = 0;
   check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_b, (uint32_t*)nullptr, (uint32_t*)nullptr,
                                              (uint32_t*)nullptr, (uint32_t*)nullptr, static_cast<int>(k), 0,
                                              key_bits(n)), "sort size query");
   Layout l{};
+  l.blocks = (k + kernels::kSegment - 1) / kernels::kSegment;
   const size_t arr = align_up(sizeof(uint32_t) * std::max<int64_t>(k, 1));
   size_t at = 0;
   for (size_t* f : {&l.keys_in, &l.keys_out, &l.ids_in, &l.ids_out}) {
     *f = at;
     at += arr;
   }
-  l.bad = at;
-  at += 256;
+  l.flags = at;
+  l.flag_bytes = sizeof(unsigned long long) + sizeof(uint32_t) * l.blocks;
+  at += align_up(l.flag_bytes);
+  // Pieces exist only where a run can exceed kSegment contributions.
+  const size_t piece = k > kernels::kSegment ? align_up(size_t(l.blocks) * d * (dtype == DType::f64 ? 8 : 4)) : 0;
+  l.tail = at;
+  at += piece;
+  l.head = at;
+  at += piece;
   l.temp = at;
   l.temp_bytes = std::max(sort_b, size_t(1));
   l.total = at + align_up(l.temp_bytes);
@@ -76,8 +87,8 @@ bool capturing(cudaStream_t stream) {
 // Marks bad values in *bad and, with keys != nullptr, writes the plan's sort keys and ids.
 template <class I>
 void launch_check(const IndexVector& index, int64_t n, std::optional<int64_t> ignore, unsigned long long* bad,
-                  uint32_t* keys, uint32_t* ids, cudaStream_t stream) {
-  check_cuda(cudaMemsetAsync(bad, 0xFF, sizeof(*bad), stream), "memset");
+                  size_t flag_bytes, uint32_t* keys, uint32_t* ids, cudaStream_t stream) {
+  check_cuda(cudaMemsetAsync(bad, 0xFF, flag_bytes, stream), "memset");
   const kernels::KeyArgs<I> a{static_cast<const I*>(index.data), index.size, n, ignore.has_value(),
                               ignore.value_or(0), keys, ids, bad};
   kernels::check_index<I><<<grid_for(index.size), kThreads, 0, stream>>>(a);
@@ -147,15 +158,21 @@ void launch_add(const Matrix& out, const ConstMatrix& src, const void* w, void* 
   kernels::with_variant<T>(vec, w != nullptr, [&](auto v, auto weighted) {
     constexpr int V = decltype(v)::value;
     const int64_t tiles = kernels::tiles<V>(out.cols);
+    using A = kernels::acc_t<T>;
     const kernels::AddArgs<T> a{static_cast<T*>(out.data), out.row_stride, static_cast<const T*>(src.data),
-                                src.row_stride, static_cast<const kernels::acc_t<T>*>(w),
-                                at<uint32_t>(ws, l.keys_out), at<uint32_t>(ws, l.ids_out), k,
-                                static_cast<uint32_t>(out.rows), out.cols, tiles,
-                                at<unsigned long long>(ws, l.bad)};
-    const int64_t tasks = k * tiles;  // tasks not at the start of a run return at once
+                                src.row_stride, static_cast<const A*>(w), at<uint32_t>(ws, l.keys_out),
+                                at<uint32_t>(ws, l.ids_out), k, static_cast<uint32_t>(out.rows), out.cols, tiles,
+                                at<unsigned long long>(ws, l.flags), at<A>(ws, l.tail), at<A>(ws, l.head),
+                                at<uint32_t>(ws, l.flags + sizeof(unsigned long long))};
+    const int64_t tasks = k * tiles;  // tasks not at the start of a run (or a block) return at once
     kernels::add_rows<T, V, decltype(weighted)::value><<<grid_for(tasks * 32), kThreads, 0, stream>>>(a, tasks);
+    check_cuda(cudaGetLastError(), "add_rows launch");
+    if (k > kernels::kSegment) {  // a run can be longer than kSegment: add up its pieces
+      const int64_t finish_tasks = l.blocks * tiles;
+      kernels::finish_rows<T, V><<<grid_for(finish_tasks * 32), kThreads, 0, stream>>>(a, finish_tasks);
+      check_cuda(cudaGetLastError(), "finish_rows launch");
+    }
   });
-  check_cuda(cudaGetLastError(), "add_rows launch");
 }
 
 template <class T, class I>
@@ -187,25 +204,26 @@ void by_dtype(DType t, F&& f) {
 
 }  // namespace
 
-size_t workspace_bytes(int64_t k, int64_t n) { return layout(k, n).total; }
+size_t workspace_bytes(int64_t k, int64_t n, int64_t d, DType dtype) { return layout(k, n, d, dtype).total; }
 size_t gather_workspace_bytes() { return kGatherWorkspace; }
 
 void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const WeightVector& weight,
                     std::optional<int64_t> ignore, void* ws, size_t ws_bytes, cudaStream_t stream, IndexCheck check) {
   const char* op = "index_add_rows";
   const int64_t k = index.size, n = out.rows;
-  const Layout l = layout(k, n);
+  const Layout l = layout(k, n, out.cols, out.dtype);
   check_args(op, out, "out", src, "src", k, weight, ws_bytes, l.total);
   if (k == 0) return;
-  auto* bad = at<unsigned long long>(ws, l.bad);
+  auto* bad = at<unsigned long long>(ws, l.flags);
   const bool plan = out.cols != 0;
   by_index(index.type, [&](auto tag) {
     using I = decltype(tag);
-    launch_check<I>(index, n, ignore, bad, plan ? at<uint32_t>(ws, l.keys_in) : nullptr, at<uint32_t>(ws, l.ids_in),
-                    stream);
+    launch_check<I>(index, n, ignore, bad, l.flag_bytes, plan ? at<uint32_t>(ws, l.keys_in) : nullptr,
+                    at<uint32_t>(ws, l.ids_in), stream);
   });
   if (plan) {
-    // Plan: stable sort of (key, source id) pairs by key; then the rows, one run each.
+    // Plan: stable sort of (key, source id) pairs by key; then the rows, one run each (long runs
+    // in pieces, then added up).
     size_t tb = l.temp_bytes;
     check_cuda(cub::DeviceRadixSort::SortPairs(at<void>(ws, l.temp), tb, at<uint32_t>(ws, l.keys_in),
                                                at<uint32_t>(ws, l.keys_out), at<uint32_t>(ws, l.ids_in),
@@ -225,7 +243,7 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& ind
   auto* bad = static_cast<unsigned long long*>(ws);
   by_index(index.type, [&](auto itag) {
     using I = decltype(itag);
-    launch_check<I>(index, x.rows, ignore, bad, nullptr, nullptr, stream);
+    launch_check<I>(index, x.rows, ignore, bad, sizeof(*bad), nullptr, nullptr, stream);
     if (dst.cols != 0)
       by_dtype(dst.dtype, [&](auto tag) { launch_gather<decltype(tag), I>(dst, x, index, weight.data, ignore, bad, stream); });
     report<I>(op, index, x.rows, ignore, bad, check, stream);

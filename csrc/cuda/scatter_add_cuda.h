@@ -1,7 +1,7 @@
 // scatter_add on NVIDIA GPUs: the same semantics as the CPU core (include/scatter_add), for device
 // pointers, on a caller's stream, with a caller-provided workspace (CUB's two-phase model).
 //
-//   size_t bytes = workspace_bytes(K, N);                 // index_add_rows' scratch
+//   size_t bytes = workspace_bytes(K, N, D, dtype);       // index_add_rows' scratch
 //   index_add_rows(out, index, src, weight, ignore, ws, bytes, stream);
 //   gather_rows(dst, x, index, weight, ignore, ws, gather_workspace_bytes(), stream);
 //
@@ -15,7 +15,9 @@
 // A stream that is being captured into a CUDA graph always gets device_trap.
 // The plan is a stable radix sort of (destination, source id) pairs, so every output element is
 // summed by one thread in source order: the result is bitwise deterministic, and equal to the CPU
-// core's FMA paths. Weights are float32 (float64 for f64 data).
+// core's FMA paths. A row with more than 256 contributions is summed in pieces of at most 256
+// (cut at fixed sorted positions) that a second kernel adds in order: still deterministic, but
+// rounded differently from the CPU's one sequential sum. Weights are float32 (float64 for f64).
 // Limits: N < 2^31 rows and K < 2^31 indices (64-bit offsets everywhere else).
 #pragma once
 
@@ -32,7 +34,9 @@ namespace cuda {
 
 enum class IndexCheck { host_error, device_trap };
 
-size_t workspace_bytes(int64_t k, int64_t n);
+// index_add_rows' workspace for K indices into [N, D] rows of `dtype`: the sort, and for K > 256
+// the pieces of rows with more than 256 contributions (2 * ceil(K / 256) * D accumulators).
+size_t workspace_bytes(int64_t k, int64_t n, int64_t d, DType dtype);
 size_t gather_workspace_bytes();
 
 void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatrix& src,

@@ -21,9 +21,10 @@ from test_ops import DTYPES, make_case
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: run scripts/gpu_check.sh on a GPU machine")
 
+# Every row has at most 256 contributions (longer rows are summed in pieces: test_cuda_long_runs).
 SHAPES = [(64, 128, 96, "topk"), (7, 300, 33, "random"), (1, 5, 17, "same"), (50, 0, 8, "random"),
           (300, 600, 1, "random"), (4096, 8192, 2048, "topk"),  # the MoE combine shape, top-2
-          (16, 5000, 520, "same")]  # one hot row with 5000 contributions
+          (16, 256, 520, "same"), (2000, 4000, 64, "random")]  # 256 into one row; short runs over 256-position edges
 
 
 def cuda(t):
@@ -76,6 +77,44 @@ def test_cuda_strided_and_misaligned_views(sa, dtype):
     gt = t.cuda()
     sa.scatter_add(gt, index.cuda(), s.cuda())
     assert torch.equal(bits(gt.cpu()), bits(cpu))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["noweight", "weight"])
+def test_cuda_long_runs(sa, dtype, weighted):
+    """Rows of more than 256 contributions (summed in pieces, then added in order): float64
+    reference within the rounding bound, no worse than torch's own error at bf16/fp16, the other
+    rows bit for bit as on the CPU, and the same bits on every run."""
+    g = torch.Generator().manual_seed(11)
+    n, k, d = 64, 20000, 520
+    index = torch.randint(0, n, (k,), generator=g)
+    index[torch.rand(k, generator=g) < 0.7] = 3      # one row with ~14000 contributions
+    index[torch.rand(k, generator=g) < 0.1] = n - 1  # another long run right after it
+    index[::97] = -1
+    inp = torch.randn(n, d, generator=g).to(dtype)
+    src = torch.randn(k, d, generator=g).to(dtype)
+    w = torch.rand(k, generator=g) if weighted else None
+    gpu = sa.index_add(inp.cuda(), index.cuda(), src.cuda(), weight=cuda(w), ignore_index=-1).cpu()
+    cpu = sa.index_add(inp, index, src, weight=w, ignore_index=-1)
+    keep = index != -1
+    contrib = src.double() * (w.double()[:, None] if weighted else 1)
+    ref = inp.double().index_add(0, index[keep], contrib[keep])
+    counts = torch.bincount(index[keep], minlength=n)
+    short = counts <= 256
+    assert torch.equal(bits(gpu[short]), bits(cpu[short]))
+    long_rows = (~short).nonzero().flatten()
+    assert len(long_rows) >= 2
+    mag = inp.double().abs().index_add(0, index[keep], contrib[keep].abs())
+    eps_acc = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
+    ulp = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    bound = (counts[:, None] + 2) * eps_acc * mag + ref.abs() * ulp
+    err = (gpu.double() - ref).abs()
+    assert torch.all(err[long_rows] <= bound[long_rows])
+    if dtype in (torch.bfloat16, torch.float16):
+        theirs = inp.index_add(0, index[keep], (src * w.to(dtype)[:, None] if weighted else src)[keep])
+        assert err[long_rows].max() <= (theirs.double() - ref).abs()[long_rows].max()
+    again = sa.index_add(inp.cuda(), index.cuda(), src.cuda(), weight=cuda(w), ignore_index=-1).cpu()
+    assert torch.equal(bits(again), bits(gpu))
 
 
 def test_cuda_deterministic(sa):
