@@ -72,7 +72,7 @@ ifeq ($(NVCC),)
 	@echo "cuda: nvcc not found on this machine; the CUDA sources were NOT compiled"
 else
 	cmake -S . -B .build/cuda -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF >/dev/null
-	cmake --build .build/cuda -j $(JOBS) --target scatter_add_cuda cuda_host_sim
+	cmake --build .build/cuda -j $(JOBS) --target scatter_add_cuda combine_cuda_example cuda_host_sim
 	.build/cuda/cuda_host_sim
 	cmake -S . -B .build/cuda-asan -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_SANITIZE="address;undefined" -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build .build/cuda-asan -j $(JOBS) --target cuda_host_sim

@@ -3,7 +3,8 @@
 # python3 with a CUDA torch, nvcc and cmake, and no internet):
 #   1. builds the cu<ver> hub variant against that torch (scripts/build_hub.py --cuda)
 #   2. runs the Python tests on CUDA tensors (test_cuda.py and the `device` fixture's "cuda")
-#   3. runs every kernel variant under compute-sanitizer (memcheck, racecheck)
+#   3. builds and runs the C++ CUDA example; every kernel variant under compute-sanitizer
+#      (memcheck, racecheck)
 #   4. benchmarks ours vs torch index_add_ (default and deterministic) and torch.compile
 # Results (logs, bench_cuda.json) go to $OUT (the device tool's folder) or results/gpu.
 #   bash scripts/gpu_check.sh [--quick]
@@ -22,6 +23,10 @@ $PY -c "import kernels" 2>/dev/null || export SCATTER_ADD_DIRECT_IMPORT=1
 # ones); the CPU suite is what `make test` runs everywhere.
 $PY -m pytest tests/python -q -k cuda -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -n 15
 status=${PIPESTATUS[0]}
+# The torch-free C++ CUDA API (examples/combine_cuda.cu), built with CMake here.
+{ cmake -S . -B .build/cuda-gpu -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF >/dev/null &&
+  cmake --build .build/cuda-gpu -j 16 --target combine_cuda_example >/dev/null && .build/cuda-gpu/combine_cuda_example; } 2>&1 | tee -a "$OUT/pytest.log" | tail -n 4
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # Out-of-bounds accesses and races in every kernel variant (compute-sanitizer works on the
 # Firecracker machines, not on gVisor ones: a refusal there is reported, not fatal).
 if command -v compute-sanitizer >/dev/null; then
