@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Every CUDA kernel variant once at small shapes, for compute-sanitizer (scripts/gpu_check.sh runs
-`compute-sanitizer --tool memcheck` and `--tool racecheck` on it): dtype x 16-byte or scalar
+`compute-sanitizer --tool memcheck` on it): dtype x 16-byte or scalar
 chunks x weight x ignore_index, index_add and gather, a bad index, and a partial last tile."""
 import sys
 from pathlib import Path
