@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 BUILD := .build/release
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps venv cpp test test-cpp test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
+.PHONY: all deps venv cpp hub-no-python-h test test-cpp test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
 
 all: cpp
 
@@ -36,7 +36,7 @@ hub: deps venv
 test-python: hub
 	$(PY) -m pytest tests/python -q
 
-test: test-cpp test-sanitizers test-python bench-quick cuda cuda-hub
+test: test-cpp test-sanitizers test-python bench-quick hub-no-python-h cuda cuda-hub
 
 # Sanitizers (clang's runtimes from Debian): the whole C++ suite under ASan + UBSan, the threaded
 # path (std::thread backend, which TSan can see into) under TSan, and the fuzz corpus replayed.
@@ -105,6 +105,10 @@ bench-cpp: cpp
 
 bench: hub
 	$(PY) benchmarks/bench_torch.py
+
+# The extension built without Python's headers (for machines without python3-dev) imports and runs.
+hub-no-python-h: venv
+	$(PY) scripts/check_no_python_h.py
 
 bench-quick: hub
 	$(PY) benchmarks/bench_torch.py --quick --out .build/bench-quick

@@ -6,8 +6,36 @@
 //   scatter_add_(Tensor(a!) input, Tensor index, Tensor src, Tensor? weight, int? ignore_index) -> ()
 //   index_add(Tensor input, Tensor index, Tensor src, Tensor? weight, int? ignore_index) -> Tensor
 //   gather(Tensor input, Tensor index, Tensor? weight, int? ignore_index) -> Tensor
+#if defined(SCATTER_ADD_NO_PYTHON_H)
+// No Python headers on the build machine (python3-dev missing, as it may be on a GPU image): the
+// few declarations the empty module below needs, as the stable ABI (abi3) has fixed them since
+// Python 3.2: the module definition's layout and PyModule_Create2 with PYTHON_ABI_VERSION 3.
+#include <cstddef>
+extern "C" {
+typedef struct _object PyObject;
+struct SaPyModuleDefBase {
+  std::ptrdiff_t ob_refcnt;
+  void* ob_type;
+  PyObject* (*m_init)(void);
+  std::ptrdiff_t m_index;
+  PyObject* m_copy;
+};
+struct PyModuleDef {
+  SaPyModuleDefBase m_base;
+  const char* m_name;
+  const char* m_doc;
+  std::ptrdiff_t m_size;
+  void *m_methods, *m_slots, *m_traverse, *m_clear, *m_free;
+};
+PyObject* PyModule_Create2(PyModuleDef* def, int apiver);
+}
+#define PyMODINIT_FUNC __attribute__((visibility("default"))) PyObject*
+#define PyModuleDef_HEAD_INIT {1, nullptr, nullptr, 0, nullptr}
+#define PyModule_Create(def) PyModule_Create2(def, 3)
+#else
 #define Py_LIMITED_API 0x03090000
 #include <Python.h>
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
