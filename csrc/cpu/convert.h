@@ -1,5 +1,5 @@
 // Scalar conversions between float32 and the 16-bit storage formats (bf16, IEEE fp16), each
-// rounding to nearest-even, and the kernel-table types shared by every ISA translation unit.
+// rounding to nearest-even and keeping subnormals, shared by every ISA translation unit.
 // Everything here has internal linkage: this header is compiled once per ISA with different
 // flags, and an inline function merged across those units could run AVX-512 code on a CPU
 // without it.
@@ -66,6 +66,24 @@ inline uint16_t f32_to_f16(float f) {
   const uint32_t r = ax + 0xFFFu + ((ax >> 13) & 1u) - 0x38000000u;
   return static_cast<uint16_t>(sign | (r >> 13));
 }
+
+// Scalar element conversions of each storage type (Ops::elem in row_kernels.h).
+struct ElemF32 {
+  static float get(float x) { return x; }
+  static float put(float a) { return a; }
+};
+struct ElemF64 {
+  static double get(double x) { return x; }
+  static double put(double a) { return a; }
+};
+struct ElemBF16 {
+  static float get(uint16_t h) { return bf16_to_f32(h); }
+  static uint16_t put(float a) { return f32_to_bf16(a); }
+};
+struct ElemF16 {
+  static float get(uint16_t h) { return f16_to_f32(h); }
+  static uint16_t put(float a) { return f32_to_f16(a); }
+};
 
 }  // namespace
 }  // namespace cpu

@@ -1,5 +1,8 @@
-// The table of row kernels one ISA translation unit provides, and the entry points to each table.
-// A row kernel works on the column range [c0, c1) of one row, so rows can be split across threads.
+// The table of kernels one ISA translation unit provides, and the entry points to each table.
+// Every kernel works on a column range [c0, c1) so that wide rows can be split across threads,
+// and every one follows the summation contract of scatter_add.h: acc starts from out's value,
+// acc = fma(w, s, acc) (acc + s unweighted) per contribution in increasing source order, in the
+// accumulator type (float for f32/bf16/f16, double for f64), rounded once to the storage type.
 #pragma once
 
 #include <cstdint>
@@ -7,17 +10,70 @@
 namespace scatter_add {
 namespace cpu {
 
-// out_row[c] = round(out_row[c] + sum_k w[ids[k]] * src[ids[k] * src_stride + c]), summed in k order
-// in the accumulator type (float for f32/bf16/f16, double for f64). w (accumulator type, indexed
-// by source id) is ignored by the unweighted kernel.
-using AddRowFn = void (*)(void* out_row, const void* src, int64_t src_stride, const int64_t* ids,
-                          int64_t n, const void* w, int64_t c0, int64_t c1);
+// Planned rows: plan rows [r0, r1) of a CSR (rows, offsets, sources), each summed into its out row.
+struct RowsJob {
+  void* out;
+  int64_t out_stride;  // elements
+  const void* src;
+  int64_t src_stride;
+  const int64_t* rows;
+  const int64_t* offsets;
+  const int64_t* sources;
+  int64_t num_sources;  // offsets[R]; bounds the prefetch of upcoming source rows
+  const void* w;        // accumulator type, indexed by source id; null when unweighted
+};
+using AddRowsFn = void (*)(const RowsJob& job, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
+
+// Direct: sources [i0, i1) in order, each added into out[index[i]] when that row is in
+// [row_lo, row_hi) and the index is not ignored. The scratch kernels add into a float32 scratch
+// of the touched rows instead (bf16/fp16 rows that receive several contributions): row r is at
+// slot rank(r) = slot_base[r >> 6] + the number of bits of slot_bits[r >> 6] below bit r & 63,
+// scratch_stride accumulators per slot (1 when the column range has one element, else a whole
+// number of vectors).
+struct DirectJob {
+  void* out;
+  int64_t out_stride;
+  void* scratch;
+  int64_t scratch_stride;
+  const void* src;
+  int64_t src_stride;
+  const void* index;  // int32 or int64 (the kernel's template)
+  const void* w;      // accumulator type, indexed by source id; null when unweighted
+  bool has_ignore;
+  int64_t ignore;
+  int64_t row_lo, row_hi;
+  const uint64_t* slot_bits;
+  const int64_t* slot_base;
+};
+using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
+
+// Scratch of touched rows: load (out -> scratch) or store (scratch -> out, rounding once) the rows
+// whose bit is set in words [w0, w1) of slot_bits; columns [c0, c1) of out at slot column c - c0.
+using ScratchFn = void (*)(const DirectJob& job, int64_t w0, int64_t w1, int64_t c0, int64_t c1, bool to_out);
+
+// Gather: dst[i] = w[i] * x[index[i]] for i in [i0, i1); ignored rows become zero.
+struct GatherJob {
+  void* dst;
+  int64_t dst_stride;
+  const void* x;
+  int64_t x_stride;
+  const void* index;
+  const void* w;  // accumulator type, indexed by i; null when unweighted
+  bool has_ignore;
+  int64_t ignore;
+};
+using GatherFn = void (*)(const GatherJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
+
 // dst_row[c] = round(w * x_row[c]) for c in [c0, c1), w converted to the accumulator type.
 using ScaleRowFn = void (*)(void* dst_row, const void* x_row, double w, int64_t c0, int64_t c1);
 
 struct KernelTable {
-  AddRowFn add[4][2];  // [DType][weighted]
-  ScaleRowFn scale[4];  // [DType]
+  AddRowsFn rows[4][2];          // [DType][weighted]
+  AddDirectFn direct[4][2][2];   // [DType][weighted][index is int64]
+  AddDirectFn scratch_add[4][2][2];  // bf16/f16 only: direct into the float32 scratch
+  ScratchFn scratch_copy[4];     // bf16/f16 only
+  GatherFn gather[4][2][2];      // [DType][weighted][index is int64]
+  ScaleRowFn scale[4];           // [DType]
 };
 
 const KernelTable& kernels_scalar();

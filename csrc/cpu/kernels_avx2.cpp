@@ -9,13 +9,21 @@ namespace scatter_add {
 namespace cpu {
 namespace {
 
+__m256i mask32(int64_t m) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+__m256i mask64(int64_t m) { return _mm256_cmpgt_epi64(_mm256_set1_epi64x(m), _mm256_setr_epi64x(0, 1, 2, 3)); }
+
 struct Avx2F32 {
   using storage = float;
   using acc = float;
   using vec = __m256;
+  using elem = ElemF32;
   static constexpr int width = 8;
   static vec load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+  static vec load_part(const float* p, int64_t m) { return _mm256_maskload_ps(p, mask32(m)); }
+  static void store_part(float* p, vec v, int64_t m) { _mm256_maskstore_ps(p, mask32(m), v); }
   static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
   static vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
   static vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -28,9 +36,12 @@ struct Avx2F64 {
   using storage = double;
   using acc = double;
   using vec = __m256d;
+  using elem = ElemF64;
   static constexpr int width = 4;
   static vec load(const double* p) { return _mm256_loadu_pd(p); }
   static void store(double* p, vec v) { _mm256_storeu_pd(p, v); }
+  static vec load_part(const double* p, int64_t m) { return _mm256_maskload_pd(p, mask64(m)); }
+  static void store_part(double* p, vec v, int64_t m) { _mm256_maskstore_pd(p, mask64(m), v); }
   static vec add(vec a, vec b) { return _mm256_add_pd(a, b); }
   static vec mul(vec a, vec b) { return _mm256_mul_pd(a, b); }
   static vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_pd(a, b, c); }
@@ -41,6 +52,7 @@ struct Avx2F64 {
 
 struct Avx2BF16 : Avx2F32 {
   using storage = uint16_t;
+  using elem = ElemBF16;
   static vec load(const uint16_t* p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -57,10 +69,13 @@ struct Avx2BF16 : Avx2F32 {
         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
   }
+  static vec load_part(const uint16_t* p, int64_t m) { return PartByCopy<Avx2BF16>::load_part(p, m); }
+  static void store_part(uint16_t* p, vec v, int64_t m) { PartByCopy<Avx2BF16>::store_part(p, v, m); }
 };
 
 struct Avx2F16 : Avx2F32 {
   using storage = uint16_t;
+  using elem = ElemF16;
   static vec load(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -68,6 +83,8 @@ struct Avx2F16 : Avx2F32 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  static vec load_part(const uint16_t* p, int64_t m) { return PartByCopy<Avx2F16>::load_part(p, m); }
+  static void store_part(uint16_t* p, vec v, int64_t m) { PartByCopy<Avx2F16>::store_part(p, v, m); }
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 // AVX-512 row kernels: 16 float32 (or 8 float64) accumulators per register. This file is compiled
 // twice: with SCATTER_ADD_AVX512_BF16=0 (-mavx512f -mavx512bw -mavx512vl ...) and with
-// SCATTER_ADD_AVX512_BF16=1 (adds -mavx512bf16, rounding float32 to bf16 with VCVTNEPS2BF16).
+// SCATTER_ADD_AVX512_BF16=1 (adds -mavx512bf16, rounding float32 to bf16 with VCVTNEPS2BF16,
+// whose subnormal and NaN lanes are redone in integer arithmetic so the bits match every level).
 // Each build is called only when CPUID and XGETBV report the features it was compiled for.
 #include <immintrin.h>
 
@@ -15,13 +16,19 @@ namespace scatter_add {
 namespace cpu {
 namespace {
 
+__mmask16 mask16(int64_t m) { return static_cast<__mmask16>((1u << m) - 1u); }
+__mmask8 mask8(int64_t m) { return static_cast<__mmask8>((1u << m) - 1u); }
+
 struct Avx512F32 {
   using storage = float;
   using acc = float;
   using vec = __m512;
+  using elem = ElemF32;
   static constexpr int width = 16;
   static vec load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+  static vec load_part(const float* p, int64_t m) { return _mm512_maskz_loadu_ps(mask16(m), p); }
+  static void store_part(float* p, vec v, int64_t m) { _mm512_mask_storeu_ps(p, mask16(m), v); }
   static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
   static vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
   static vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -34,9 +41,12 @@ struct Avx512F64 {
   using storage = double;
   using acc = double;
   using vec = __m512d;
+  using elem = ElemF64;
   static constexpr int width = 8;
   static vec load(const double* p) { return _mm512_loadu_pd(p); }
   static void store(double* p, vec v) { _mm512_storeu_pd(p, v); }
+  static vec load_part(const double* p, int64_t m) { return _mm512_maskz_loadu_pd(mask8(m), p); }
+  static void store_part(double* p, vec v, int64_t m) { _mm512_mask_storeu_pd(p, mask8(m), v); }
   static vec add(vec a, vec b) { return _mm512_add_pd(a, b); }
   static vec mul(vec a, vec b) { return _mm512_mul_pd(a, b); }
   static vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_pd(a, b, c); }
@@ -45,38 +55,55 @@ struct Avx512F64 {
   static void store_acc(double* p, vec v) { _mm512_storeu_pd(p, v); }
 };
 
+// float32 -> bf16 in integer arithmetic: round to nearest even, subnormals kept, NaN -> 0x7FC0
+// (as the scalar and AVX2 levels do), one 32-bit lane per result.
+__m512i bf16_by_integer(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_srli_epi32(r, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+}
+
 struct Avx512BF16 : Avx512F32 {
   using storage = uint16_t;
-  static vec load(const uint16_t* p) {
-    const __m512i w =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  using elem = ElemBF16;
+  static vec widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  static void store(uint16_t* p, vec v) {
+  static __m256i narrow(vec v) {
 #if SCATTER_ADD_AVX512_BF16
+    // VCVTNEPS2BF16 rounds to nearest even but flushes subnormals to zero and keeps NaN payloads:
+    // those (rare) lanes take the integer rounding, so every level gives the same bits.
     const __m256bh h = _mm512_cvtneps_pbh(v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(h));
+    __m256i out = reinterpret_cast<const __m256i&>(h);
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)),
+                                                  _mm512_set1_epi32(0x007FFFFF));
+    const __mmask16 fix = sub | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (fix != 0) out = _mm256_mask_mov_epi16(out, fix, _mm512_cvtepi32_epi16(bf16_by_integer(v)));
+    return out;
 #else
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(bf16_by_integer(v));
 #endif
   }
+  static vec load(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(uint16_t* p, vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
+  static vec load_part(const uint16_t* p, int64_t m) { return widen(_mm256_maskz_loadu_epi16(mask16(m), p)); }
+  static void store_part(uint16_t* p, vec v, int64_t m) { _mm256_mask_storeu_epi16(p, mask16(m), narrow(v)); }
 };
 
 struct Avx512F16 : Avx512F32 {
   using storage = uint16_t;
+  using elem = ElemF16;
+  static __m256i narrow(vec v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static vec load(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static void store(uint16_t* p, vec v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static void store(uint16_t* p, vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
+  static vec load_part(const uint16_t* p, int64_t m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16(m), p)); }
+  static void store_part(uint16_t* p, vec v, int64_t m) { _mm256_mask_storeu_epi16(p, mask16(m), narrow(v)); }
 };
 
 }  // namespace

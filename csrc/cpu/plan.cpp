@@ -1,32 +1,62 @@
-// Plan: counting sort of an index by destination row (CSR). One pass validates and counts, a
-// prefix sum gives each touched row its slice, and a stable placement pass fills the slices in
-// source order, which fixes the summation order for every thread count. For N much larger than
-// K a sort of (row, source) pairs replaces the O(N) histogram.
+// Plan: the index sorted by destination row (CSR), source ids inside a row in increasing order,
+// which fixes the summation order for every thread count. Two sorts, picked by cost (policy.h):
+//   count  histogram of the N rows, prefix sum, stable placement: O(N + K)
+//   radix  LSD radix sort of packed (row << 32 | source) keys on the row bits: O(K) per digit
+//          (8-11 bits), independent of N; stable, so sources stay in increasing order
+// The index is validated first (nothing of the plan is usable if that throws).
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 
-#include "index_check.h"
 #include "policy.h"
 #include "scatter_add/scatter_add.h"
+#include "strategy.h"
+#include "validate.h"
 
 namespace scatter_add {
 namespace {
 
-template <class I>
-int64_t index_at(const I* idx, int64_t i) {
-  return static_cast<int64_t>(idx[i]);
+using cpu::CpuPolicy;
+
+template <class I, class F>
+void for_each_kept(const I* idx, int64_t k, std::optional<int64_t> ignore, F&& f) {
+  if (ignore) {
+    const int64_t ign = *ignore;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t v = static_cast<int64_t>(idx[i]);
+      if (v != ign) f(i, v);
+    }
+  } else {
+    for (int64_t i = 0; i < k; ++i) f(i, static_cast<int64_t>(idx[i]));
+  }
 }
 
+template <class F>
+void visit_index(const IndexVector& index, std::optional<int64_t> ignore, F&& f) {
+  if (index.type == IndexType::i32)
+    for_each_kept(static_cast<const int32_t*>(index.data), index.size, ignore, f);
+  else
+    for_each_kept(static_cast<const int64_t*>(index.data), index.size, ignore, f);
+}
+
+int bits_for(int64_t n) {  // bits needed for values in [0, n)
+  int b = 0;
+  while (b < 63 && (int64_t(1) << b) < n) ++b;
+  return b;
+}
 }  // namespace
 
-Plan Plan::build(const IndexVector& index, int64_t num_rows, std::optional<int64_t> ignore_index) {
+
+Plan Plan::build(const IndexVector& index, int64_t num_rows, std::optional<int64_t> ignore_index,
+                 Strategy method) {
   Plan p;
-  p.rebuild(index, num_rows, ignore_index);
+  p.rebuild(index, num_rows, ignore_index, method);
   return p;
 }
 
-void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int64_t> ignore_index) {
+void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int64_t> ignore_index,
+                   Strategy method) {
   if (num_rows < 0)
     throw Error(Error::Kind::value, "num_rows must be >= 0, got " + std::to_string(num_rows));
   if (index.size < 0)
@@ -38,9 +68,6 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
     throw Error(Error::Kind::value,
                 "index type must be int32 or int64, got code " +
                     std::to_string(static_cast<int>(index.type)));
-
-  const int64_t k = index.size;
-  const bool use_sort = num_rows > cpu::CpuPolicy::kSortRatio * k + cpu::CpuPolicy::kSortSlack;
   rows_.clear();
   offsets_.clear();
   sources_.clear();
@@ -48,33 +75,71 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
   num_rows_ = 0;
   num_entries_ = 0;
   ignore_index_.reset();
-  std::vector<int64_t>* counts = nullptr;
-  if (!use_sort) {
-    counts_.assign(static_cast<size_t>(num_rows), 0);
-    counts = &counts_;
-  }
-  // Pass 1: validate every value (nothing of the plan is usable if this throws).
-  if (index.type == IndexType::i32)
-    cpu::check_index_values(static_cast<const int32_t*>(index.data), k, num_rows, ignore_index, counts,
-                       &ignored_);
-  else
-    cpu::check_index_values(static_cast<const int64_t*>(index.data), k, num_rows, ignore_index, counts,
-                       &ignored_);
 
-  auto at = [&](int64_t i) {
-    return index.type == IndexType::i32 ? index_at(static_cast<const int32_t*>(index.data), i)
-                                        : index_at(static_cast<const int64_t*>(index.data), i);
-  };
-  const int64_t kept = k - static_cast<int64_t>(ignored_.size());
+  const int64_t k = index.size;
+  const cpu::IndexScan scan = cpu::scan_index(index, num_rows, ignore_index);
+  const int64_t kept = scan.kept;
+  if (kept < k) {
+    ignored_.reserve(static_cast<size_t>(k - kept));
+    const int64_t ign = *ignore_index;
+    auto collect = [&](const auto* idx) {
+      for (int64_t i = 0; i < k; ++i)
+        if (static_cast<int64_t>(idx[i]) == ign) ignored_.push_back(i);
+    };
+    if (index.type == IndexType::i32)
+      collect(static_cast<const int32_t*>(index.data));
+    else
+      collect(static_cast<const int64_t*>(index.data));
+  }
+  const bool fits32 = num_rows <= (int64_t(1) << 32) && k <= (int64_t(1) << 32);
+  bool radix = method == Strategy::radix ||
+               (method != Strategy::count && cpu::plan_prefers_radix(num_rows, kept));
   sources_.resize(static_cast<size_t>(kept));
-  if (use_sort) {
+
+  if (radix && fits32) {
+    // Packed keys (row << 32 | source), sorted on the row bits only: stable, so equal rows keep
+    // their sources in increasing order.
+    scratch_.resize(2 * static_cast<size_t>(kept));
+    uint64_t* a = reinterpret_cast<uint64_t*>(scratch_.data());
+    uint64_t* b = a + kept;
+    int64_t j = 0;
+    visit_index(index, ignore_index, [&](int64_t i, int64_t v) {
+      a[j++] = (static_cast<uint64_t>(v) << 32) | static_cast<uint64_t>(i);
+    });
+    const int bits = bits_for(num_rows);
+    const int passes = (bits + CpuPolicy::kRadixDigitBits - 1) / CpuPolicy::kRadixDigitBits;
+    const int digit = passes > 0 ? (bits + passes - 1) / passes : 0;
+    std::vector<int64_t> hist(static_cast<size_t>(1) << digit);
+    for (int p = 0; p < passes && kept > 0; ++p) {
+      const int shift = 32 + p * digit;
+      const uint64_t mask = (uint64_t(1) << digit) - 1;
+      std::fill(hist.begin(), hist.end(), 0);
+      for (int64_t i = 0; i < kept; ++i) ++hist[(a[i] >> shift) & mask];
+      if (hist[(a[0] >> shift) & mask] == kept) continue;  // one digit value: already in order
+      int64_t pos = 0;
+      for (auto& h : hist) {
+        const int64_t c = h;
+        h = pos;
+        pos += c;
+      }
+      for (int64_t i = 0; i < kept; ++i) b[hist[(a[i] >> shift) & mask]++] = a[i];
+      std::swap(a, b);
+    }
+    for (int64_t i = 0; i < kept; ++i) {
+      const int64_t row = static_cast<int64_t>(a[i] >> 32);
+      if (i == 0 || row != static_cast<int64_t>(a[i - 1] >> 32)) {
+        rows_.push_back(row);
+        offsets_.push_back(i);
+      }
+      sources_[static_cast<size_t>(i)] = static_cast<int64_t>(a[i] & 0xFFFFFFFFu);
+    }
+    offsets_.push_back(kept);
+  } else if (radix) {
+    // Beyond 32-bit rows or sources (rare): a comparison sort of (row, source) pairs.
     std::vector<std::pair<int64_t, int64_t>> pairs;
     pairs.reserve(static_cast<size_t>(kept));
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t v = at(i);
-      if (!(ignore_index && v == *ignore_index)) pairs.emplace_back(v, i);
-    }
-    std::sort(pairs.begin(), pairs.end());  // (row, source) pairs are distinct: order is fixed
+    visit_index(index, ignore_index, [&](int64_t i, int64_t v) { pairs.emplace_back(v, i); });
+    std::sort(pairs.begin(), pairs.end());
     for (size_t j = 0; j < pairs.size(); ++j) {
       if (j == 0 || pairs[j].first != pairs[j - 1].first) {
         rows_.push_back(pairs[j].first);
@@ -84,23 +149,23 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
     }
     offsets_.push_back(kept);
   } else {
-    // Pass 2: prefix sum over touched rows; counts_ becomes each row's write cursor.
+    // Counting sort: histogram, prefix sum over touched rows (counts become write cursors),
+    // stable placement in source order.
+    scratch_.assign(static_cast<size_t>(num_rows), 0);
+    int64_t* counts = scratch_.data();
+    visit_index(index, ignore_index, [&](int64_t, int64_t v) { ++counts[v]; });
     int64_t pos = 0;
     for (int64_t r = 0; r < num_rows; ++r) {
-      const int64_t c = counts_[static_cast<size_t>(r)];
+      const int64_t c = counts[r];
       if (c == 0) continue;
       rows_.push_back(r);
       offsets_.push_back(pos);
-      counts_[static_cast<size_t>(r)] = pos;
+      counts[r] = pos;
       pos += c;
     }
     offsets_.push_back(pos);
-    // Pass 3: stable placement in source order.
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t v = at(i);
-      if (ignore_index && v == *ignore_index) continue;
-      sources_[static_cast<size_t>(counts_[static_cast<size_t>(v)]++)] = i;
-    }
+    int64_t* srcs = sources_.data();
+    visit_index(index, ignore_index, [&](int64_t i, int64_t v) { srcs[counts[v]++] = i; });
   }
   num_rows_ = num_rows;
   num_entries_ = k;

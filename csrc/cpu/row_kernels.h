@@ -1,14 +1,16 @@
-// The row kernels, written once over an "Ops" struct that each ISA translation unit defines:
+// The kernels, written once over an "Ops" struct that each ISA translation unit defines:
 //   storage  element type in memory (float, double, uint16_t for bf16/fp16)
 //   acc      accumulator scalar (float, or double for f64)
 //   vec      a register of `width` accumulators
-//   load(const storage*) -> vec, store(storage*, vec), add(vec, vec), mul(vec, vec), fmadd(a, b, c) = a*b + c,
-//   set1(acc) -> vec, load_acc(const acc*) / store_acc(acc*, vec) on an accumulator buffer
-// Full blocks of kUnroll registers keep the running sums of one column block in registers while
-// every contribution of the row streams through; the tail goes through a small stack buffer.
-// Internal linkage on purpose (see convert.h).
+//   elem     scalar conversions: elem::get(storage) -> acc, elem::put(acc) -> storage (RNE)
+//   load(const storage*) -> vec, store(storage*, vec), load_part/store_part(p, [v,] m) for the
+//   first m < width elements, add(vec, vec), mul(vec, vec), fmadd(a, b, c) = a*b + c with one
+//   rounding, set1(acc) -> vec, load_acc(const acc*) / store_acc(acc*, vec) on accumulators.
+// Every path performs the same operations per element (see kernels.h), so every ISA level, kernel
+// and split gives the same bits. Internal linkage on purpose (see convert.h).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -18,38 +20,64 @@ namespace scatter_add {
 namespace cpu {
 namespace {
 
+inline void prefetch_at(const void* base, uint64_t row, uint64_t row_bytes, int rw = 0) {
+  // Unsigned arithmetic: an ignored index (any value) must not make the address computation UB.
+  const uintptr_t p = reinterpret_cast<uintptr_t>(base) + row * row_bytes;
+  if (rw)
+    __builtin_prefetch(reinterpret_cast<const void*>(p), 1);
+  else
+    __builtin_prefetch(reinterpret_cast<const void*>(p), 0);
+}
+
 template <class Ops>
 struct RowKernels {
   using T = typename Ops::storage;
   using A = typename Ops::acc;
   using V = typename Ops::vec;
+  using E = typename Ops::elem;
   static constexpr int W = Ops::width;
   static constexpr int kUnroll = 4;
   // Hot-row path above this many contributions; its L1 accumulator chunk (4 KiB of float32).
   static constexpr int64_t kManyContributions = 8;
   static constexpr int64_t kBufferCols = 1024;
-  // Software prefetch distance inside a row, in elements (512 B of bf16).
+  // Software prefetch distance inside a long row, in elements (512 B of bf16).
   static constexpr int64_t kPrefetchCols = 256;
-
-  static V load_n(const T* p, int64_t m) {
-    T tmp[W] = {};
-    std::memcpy(tmp, p, static_cast<size_t>(m) * sizeof(T));
-    return Ops::load(tmp);
-  }
-  static void store_n(T* p, V v, int64_t m) {
-    T tmp[W];
-    Ops::store(tmp, v);
-    std::memcpy(p, tmp, static_cast<size_t>(m) * sizeof(T));
-  }
+  // Short rows (at most kShortRowBytes of columns): prefetch the sources (or destinations) this
+  // many entries ahead instead, since each row is only a line or a few.
+  static constexpr int64_t kShortRowBytes = 256;
+  static constexpr int64_t kPrefetchAhead = 16;
 
   template <bool Weighted>
-  static void add_row(void* out_v, const void* src_v, int64_t stride, const int64_t* ids,
-                      int64_t n, const void* w_v, int64_t c0, int64_t c1) {
-    T* out = static_cast<T*>(out_v);
-    const T* src = static_cast<const T*>(src_v);
-    const A* w = static_cast<const A*>(w_v);
+  static V step(V acc, V x, V w) {
+    return Weighted ? Ops::fmadd(x, w, acc) : Ops::add(acc, x);
+  }
+  template <bool Weighted>
+  static A step1(A acc, A x, A w) {
+    return Weighted ? std::fma(x, w, acc) : acc + x;
+  }
+
+  // ---- planned rows -------------------------------------------------------------------------
+
+  // One out row's columns [c0, c1) += its n contributions ids[0..n) in order. `ahead` entries of
+  // ids are readable (the rest of the plan), for prefetching the next rows' sources.
+  template <bool Weighted>
+  static void add_row(T* out, const T* src, int64_t stride, const int64_t* ids, int64_t n,
+                      int64_t ahead, const A* w, int64_t c0, int64_t c1) {
     if (n > kManyContributions && c1 - c0 >= kBufferCols) {
       add_row_buffered<Weighted>(out, src, stride, ids, n, w, c0, c1);
+      return;
+    }
+    const bool short_row = (c1 - c0) * static_cast<int64_t>(sizeof(T)) <= kShortRowBytes;
+    const uint64_t sb = static_cast<uint64_t>(stride) * sizeof(T);
+    if (W == 1 || c1 - c0 == 1) {  // one column: scalar
+      for (int64_t c = c0; c < c1; ++c) {
+        A acc = E::get(out[c]);
+        for (int64_t k = 0; k < n; ++k) {
+          if (k + kPrefetchAhead < ahead) prefetch_at(src + c, static_cast<uint64_t>(ids[k + kPrefetchAhead]), sb);
+          acc = step1<Weighted>(acc, E::get(src[ids[k] * stride + c]), Weighted ? w[ids[k]] : A(1));
+        }
+        out[c] = E::put(acc);
+      }
       return;
     }
     int64_t c = c0;
@@ -59,36 +87,37 @@ struct RowKernels {
       for (int u = 0; u < kUnroll; ++u) acc[u] = Ops::load(out + c + u * W);
       for (int64_t k = 0; k < n; ++k) {
         const T* s = src + ids[k] * stride + c;
-        __builtin_prefetch(s + kPrefetchCols);
-        if (Weighted) {
-          const V wk = Ops::set1(w[ids[k]]);
-          for (int u = 0; u < kUnroll; ++u) acc[u] = Ops::fmadd(Ops::load(s + u * W), wk, acc[u]);
+        if (short_row) {
+          if (k + kPrefetchAhead < ahead) prefetch_at(src + c, static_cast<uint64_t>(ids[k + kPrefetchAhead]), sb);
         } else {
-          for (int u = 0; u < kUnroll; ++u) acc[u] = Ops::add(acc[u], Ops::load(s + u * W));
+          __builtin_prefetch(s + kPrefetchCols);
         }
+        const V wk = Ops::set1(Weighted ? w[ids[k]] : A(1));
+        for (int u = 0; u < kUnroll; ++u) acc[u] = step<Weighted>(acc[u], Ops::load(s + u * W), wk);
       }
       for (int u = 0; u < kUnroll; ++u) Ops::store(out + c + u * W, acc[u]);
     }
     for (; c < c1; c += W) {
       const int64_t m = (c1 - c < W) ? (c1 - c) : W;
-      V acc = (m == W) ? Ops::load(out + c) : load_n(out + c, m);
+      V acc = (m == W) ? Ops::load(out + c) : Ops::load_part(out + c, m);
       for (int64_t k = 0; k < n; ++k) {
         const T* s = src + ids[k] * stride + c;
-        const V x = (m == W) ? Ops::load(s) : load_n(s, m);
-        acc = Weighted ? Ops::fmadd(x, Ops::set1(w[ids[k]]), acc) : Ops::add(acc, x);
+        if (short_row && k + kPrefetchAhead < ahead)
+          prefetch_at(src + c, static_cast<uint64_t>(ids[k + kPrefetchAhead]), sb);
+        const V x = (m == W) ? Ops::load(s) : Ops::load_part(s, m);
+        acc = step<Weighted>(acc, x, Ops::set1(Weighted ? w[ids[k]] : A(1)));
       }
       if (m == W) {
         Ops::store(out + c, acc);
       } else {
-        store_n(out + c, acc, m);
+        Ops::store_part(out + c, acc, m);
       }
     }
   }
 
   // Rows with many contributions (hot rows): keep a column chunk's running sums in an L1 buffer
   // and stream each source row's chunk contiguously, instead of striding across all source rows
-  // once per register block. Same operations in the same order as the register path, so the
-  // same bits.
+  // once per register block. Same operations in the same order, so the same bits.
   template <bool Weighted>
   static void add_row_buffered(T* out, const T* src, int64_t stride, const int64_t* ids, int64_t n,
                                const A* w, int64_t c0, int64_t c1) {
@@ -97,53 +126,236 @@ struct RowKernels {
       const int64_t m = (c1 - cb < kBufferCols) ? (c1 - cb) : kBufferCols;
       const int64_t full = m - m % W;
       for (int64_t c = 0; c < full; c += W) Ops::store_acc(buf + c, Ops::load(out + cb + c));
-      if (full < m) Ops::store_acc(buf + full, load_n(out + cb + full, m - full));
+      if (full < m) Ops::store_acc(buf + full, Ops::load_part(out + cb + full, m - full));
       for (int64_t k = 0; k < n; ++k) {
         const T* s = src + ids[k] * stride + cb;
         if (k + 1 < n) __builtin_prefetch(src + ids[k + 1] * stride + cb);
         const V wk = Ops::set1(Weighted ? w[ids[k]] : A(1));
-        for (int64_t c = 0; c < full; c += W) {
-          const V x = Ops::load(s + c);
-          const V a = Ops::load_acc(buf + c);
-          Ops::store_acc(buf + c, Weighted ? Ops::fmadd(x, wk, a) : Ops::add(a, x));
-        }
-        if (full < m) {
-          const V x = load_n(s + full, m - full);
-          const V a = Ops::load_acc(buf + full);
-          Ops::store_acc(buf + full, Weighted ? Ops::fmadd(x, wk, a) : Ops::add(a, x));
-        }
+        for (int64_t c = 0; c < full; c += W)
+          Ops::store_acc(buf + c, step<Weighted>(Ops::load_acc(buf + c), Ops::load(s + c), wk));
+        if (full < m)
+          Ops::store_acc(buf + full,
+                         step<Weighted>(Ops::load_acc(buf + full), Ops::load_part(s + full, m - full), wk));
       }
       for (int64_t c = 0; c < full; c += W) Ops::store(out + cb + c, Ops::load_acc(buf + c));
-      if (full < m) store_n(out + cb + full, Ops::load_acc(buf + full), m - full);
+      if (full < m) Ops::store_part(out + cb + full, Ops::load_acc(buf + full), m - full);
+    }
+  }
+
+  template <bool Weighted>
+  static void add_rows(const RowsJob& j, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    T* out = static_cast<T*>(j.out);
+    const T* src = static_cast<const T*>(j.src);
+    const A* w = static_cast<const A*>(j.w);
+    const bool short_row = (c1 - c0) * static_cast<int64_t>(sizeof(T)) <= kShortRowBytes;
+    const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = j.offsets[r], e = j.offsets[r + 1];
+      if (short_row && r + 4 < r1) prefetch_at(out + c0, static_cast<uint64_t>(j.rows[r + 4]), ob, 1);
+      add_row<Weighted>(out + j.rows[r] * j.out_stride, src, j.src_stride, j.sources + b, e - b,
+                        j.num_sources - b, w, c0, c1);
+    }
+  }
+
+  // ---- direct -------------------------------------------------------------------------------
+
+  template <class I, bool Weighted>
+  static void add_direct(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const I* idx = static_cast<const I*>(j.index);
+    T* out = static_cast<T*>(j.out) + c0;
+    const T* src = static_cast<const T*>(j.src) + c0;
+    const A* w = static_cast<const A*>(j.w);
+    const int64_t m = c1 - c0;
+    const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kPrefetchAhead < i1) prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
+      const int64_t r = static_cast<int64_t>(idx[i]);
+      if ((j.has_ignore && r == j.ignore) || r < j.row_lo || r >= j.row_hi) continue;
+      T* o = out + r * j.out_stride;
+      const T* s = src + i * j.src_stride;
+      const A wi = Weighted ? w[i] : A(1);
+      if (W == 1 || m == 1) {
+        for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
+        continue;
+      }
+      const V wk = Ops::set1(wi);
+      int64_t c = 0;
+      for (; c + W <= m; c += W) Ops::store(o + c, step<Weighted>(Ops::load(o + c), Ops::load(s + c), wk));
+      if (c < m)
+        Ops::store_part(o + c, step<Weighted>(Ops::load_part(o + c, m - c), Ops::load_part(s + c, m - c), wk),
+                        m - c);
+    }
+  }
+
+  static int64_t slot_of(const DirectJob& j, int64_t r) {
+    const uint64_t below = j.slot_bits[r >> 6] & ((uint64_t(1) << (r & 63)) - 1);
+    return j.slot_base[r >> 6] + __builtin_popcountll(below);
+  }
+
+  template <class I, bool Weighted>
+  static void scratch_add(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const I* idx = static_cast<const I*>(j.index);
+    A* acc = static_cast<A*>(j.scratch);
+    const T* src = static_cast<const T*>(j.src) + c0;
+    const A* w = static_cast<const A*>(j.w);
+    const int64_t m = c1 - c0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = static_cast<int64_t>(idx[i]);
+      if ((j.has_ignore && r == j.ignore) || r < j.row_lo || r >= j.row_hi) continue;
+      A* o = acc + slot_of(j, r) * j.scratch_stride;
+      const T* s = src + i * j.src_stride;
+      const A wi = Weighted ? w[i] : A(1);
+      if (W == 1 || m == 1) {
+        for (int64_t c = 0; c < m; ++c) o[c] = step1<Weighted>(o[c], E::get(s[c]), wi);
+        continue;
+      }
+      const V wk = Ops::set1(wi);
+      int64_t c = 0;
+      for (; c + W <= m; c += W) Ops::store_acc(o + c, step<Weighted>(Ops::load_acc(o + c), Ops::load(s + c), wk));
+      if (c < m) Ops::store_acc(o + c, step<Weighted>(Ops::load_acc(o + c), Ops::load_part(s + c, m - c), wk));
+    }
+  }
+
+  static void scratch_copy(const DirectJob& j, int64_t w0, int64_t w1, int64_t c0, int64_t c1, bool to_out) {
+    T* out = static_cast<T*>(j.out) + c0;
+    A* acc = static_cast<A*>(j.scratch);
+    const int64_t m = c1 - c0;
+    for (int64_t wd = w0; wd < w1; ++wd) {
+      uint64_t bits = j.slot_bits[wd];
+      int64_t slot = j.slot_base[wd];
+      for (; bits != 0; bits &= bits - 1, ++slot) {
+        T* o = out + (wd * 64 + __builtin_ctzll(bits)) * j.out_stride;
+        A* a = acc + slot * j.scratch_stride;
+        if (W == 1 || m == 1) {
+          for (int64_t c = 0; c < m; ++c) {
+            if (to_out)
+              o[c] = E::put(a[c]);
+            else
+              a[c] = E::get(o[c]);
+          }
+          continue;
+        }
+        int64_t c = 0;
+        for (; c + W <= m; c += W) {
+          if (to_out)
+            Ops::store(o + c, Ops::load_acc(a + c));
+          else
+            Ops::store_acc(a + c, Ops::load(o + c));
+        }
+        if (c < m) {
+          if (to_out)
+            Ops::store_part(o + c, Ops::load_acc(a + c), m - c);
+          else
+            Ops::store_acc(a + c, Ops::load_part(o + c, m - c));
+        }
+      }
+    }
+  }
+
+  // ---- gather -------------------------------------------------------------------------------
+
+  template <class I, bool Weighted>
+  static void gather(const GatherJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const I* idx = static_cast<const I*>(j.index);
+    T* dst = static_cast<T*>(j.dst) + c0;
+    const T* x = static_cast<const T*>(j.x) + c0;
+    const A* w = static_cast<const A*>(j.w);
+    const int64_t m = c1 - c0;
+    const size_t bytes = static_cast<size_t>(m) * sizeof(T);
+    const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kPrefetchAhead < i1) prefetch_at(x, static_cast<uint64_t>(idx[i + kPrefetchAhead]), xb);
+      const int64_t r = static_cast<int64_t>(idx[i]);
+      T* d = dst + i * j.dst_stride;
+      if (j.has_ignore && r == j.ignore) {
+        std::memset(d, 0, bytes);
+        continue;
+      }
+      const T* s = x + r * j.x_stride;
+      if (!Weighted) {
+        if (m == 1)
+          d[0] = s[0];
+        else
+          std::memcpy(d, s, bytes);
+        continue;
+      }
+      const A wi = w[i];
+      if (W == 1 || m == 1) {
+        for (int64_t c = 0; c < m; ++c) d[c] = E::put(E::get(s[c]) * wi);
+        continue;
+      }
+      const V wv = Ops::set1(wi);
+      int64_t c = 0;
+      for (; c + W <= m; c += W) Ops::store(d + c, Ops::mul(Ops::load(s + c), wv));
+      if (c < m) Ops::store_part(d + c, Ops::mul(Ops::load_part(s + c, m - c), wv), m - c);
     }
   }
 
   static void scale_row(void* dst_v, const void* x_v, double w, int64_t c0, int64_t c1) {
     T* dst = static_cast<T*>(dst_v);
     const T* x = static_cast<const T*>(x_v);
-    const V wv = Ops::set1(static_cast<A>(w));
+    const A wa = static_cast<A>(w);
+    const V wv = Ops::set1(wa);
     int64_t c = c0;
-    for (; c + W <= c1; c += W) Ops::store(dst + c, Ops::mul(Ops::load(x + c), wv));
-    if (c < c1) store_n(dst + c, Ops::mul(load_n(x + c, c1 - c), wv), c1 - c);
+    if (W > 1)
+      for (; c + W <= c1; c += W) Ops::store(dst + c, Ops::mul(Ops::load(x + c), wv));
+    if (c < c1) {
+      if (W == 1 || c1 - c == 1) {
+        for (; c < c1; ++c) dst[c] = E::put(E::get(x[c]) * wa);
+      } else {
+        Ops::store_part(dst + c, Ops::mul(Ops::load_part(x + c, c1 - c), wv), c1 - c);
+      }
+    }
   }
 };
 
-// Order of the table's first index follows scatter_add::DType: f32, f64, bf16, f16.
+// Partial loads and stores through a small buffer, for ISAs without masked moves of the type.
+template <class Ops>
+struct PartByCopy {
+  using T = typename Ops::storage;
+  static typename Ops::vec load_part(const T* p, int64_t m) {
+    T tmp[Ops::width] = {};
+    std::memcpy(tmp, p, static_cast<size_t>(m) * sizeof(T));
+    return Ops::load(tmp);
+  }
+  static void store_part(T* p, typename Ops::vec v, int64_t m) {
+    T tmp[Ops::width];
+    Ops::store(tmp, v);
+    std::memcpy(p, tmp, static_cast<size_t>(m) * sizeof(T));
+  }
+};
+
+// Order of the tables' first index follows scatter_add::DType: f32, f64, bf16, f16.
+template <class Ops>
+void fill_row(KernelTable& t, int d) {
+  using K = RowKernels<Ops>;
+  t.rows[d][0] = &K::template add_rows<false>;
+  t.rows[d][1] = &K::template add_rows<true>;
+  t.direct[d][0][0] = &K::template add_direct<int32_t, false>;
+  t.direct[d][0][1] = &K::template add_direct<int64_t, false>;
+  t.direct[d][1][0] = &K::template add_direct<int32_t, true>;
+  t.direct[d][1][1] = &K::template add_direct<int64_t, true>;
+  t.gather[d][0][0] = &K::template gather<int32_t, false>;
+  t.gather[d][0][1] = &K::template gather<int64_t, false>;
+  t.gather[d][1][0] = &K::template gather<int32_t, true>;
+  t.gather[d][1][1] = &K::template gather<int64_t, true>;
+  t.scale[d] = &K::scale_row;
+  if (sizeof(typename Ops::storage) == 2) {
+    t.scratch_add[d][0][0] = &K::template scratch_add<int32_t, false>;
+    t.scratch_add[d][0][1] = &K::template scratch_add<int64_t, false>;
+    t.scratch_add[d][1][0] = &K::template scratch_add<int32_t, true>;
+    t.scratch_add[d][1][1] = &K::template scratch_add<int64_t, true>;
+    t.scratch_copy[d] = &K::scratch_copy;
+  }
+}
+
 template <class F32, class F64, class BF16, class F16>
 KernelTable make_table() {
   KernelTable t{};
-  t.add[0][0] = &RowKernels<F32>::template add_row<false>;
-  t.add[0][1] = &RowKernels<F32>::template add_row<true>;
-  t.add[1][0] = &RowKernels<F64>::template add_row<false>;
-  t.add[1][1] = &RowKernels<F64>::template add_row<true>;
-  t.add[2][0] = &RowKernels<BF16>::template add_row<false>;
-  t.add[2][1] = &RowKernels<BF16>::template add_row<true>;
-  t.add[3][0] = &RowKernels<F16>::template add_row<false>;
-  t.add[3][1] = &RowKernels<F16>::template add_row<true>;
-  t.scale[0] = &RowKernels<F32>::scale_row;
-  t.scale[1] = &RowKernels<F64>::scale_row;
-  t.scale[2] = &RowKernels<BF16>::scale_row;
-  t.scale[3] = &RowKernels<F16>::scale_row;
+  fill_row<F32>(t, 0);
+  fill_row<F64>(t, 1);
+  fill_row<BF16>(t, 2);
+  fill_row<F16>(t, 3);
   return t;
 }
 

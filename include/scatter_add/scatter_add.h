@@ -9,8 +9,18 @@
 // are bitwise identical for every thread count and every run. Every argument is validated before
 // the first write: on error a scatter_add::Error is thrown and the output is left untouched.
 //
-// Plans: a Plan is the counting sort of an index by destination row (CSR). Build it once and
-// pass it to many index_add_rows/gather_rows calls that share the index (MoE forward + backward).
+// Summation contract (the same bits whatever runs): each output element starts from out's value,
+// adds its contributions in increasing source order as fma(w, s, acc) (acc + s unweighted) in
+// float32 (float64 for f64), and is rounded once to the storage type, round-to-nearest-even,
+// keeping subnormals. Every CPU strategy, ISA level and thread count gives these bits (NaN payloads
+// may differ).
+//
+// Strategies (CPU): index_add_rows picks one by a cost model (csrc/cpu/policy.h); any one can be
+// forced with Options::strategy, set_strategy() or SCATTER_ADD_CPU_STRATEGY, for tests and
+// benchmarks. All give the same bits.
+//
+// Plans: a Plan is the sort of an index by destination row (CSR). Build it once and pass it to
+// many index_add_rows/gather_rows calls that share the index (MoE forward + backward).
 #pragma once
 
 #include <cstddef>
@@ -61,9 +71,18 @@ struct WeightVector {
   DType dtype = DType::f32;
 };
 
+// How index_add_rows runs on the CPU.
+//   direct  no sort: sources are walked in order and added into their rows (bf16/fp16 rows that
+//           receive several contributions are summed in a float32 scratch of the touched rows)
+//   count   a plan by counting sort, O(N + K), then each destination row summed by one thread
+//   radix   a plan by radix sort of (row, source) pairs, O(K) per 8-11 bits of N, then the same
+enum class Strategy : int { automatic = 0, direct = 1, count = 2, radix = 3 };
+const char* strategy_name(Strategy s);  // "auto", "direct", "count", "radix"
+
 struct Options {
   std::optional<int64_t> ignore_index;  // index value to skip (gather writes zero rows for it)
   int num_threads = 0;                  // 0: the default (set_num_threads or hardware concurrency)
+  Strategy strategy = Strategy::automatic;  // automatic: set_strategy()'s, else the cost model's
 };
 
 // Thrown on bad input. kind says which Python exception a binding should raise.
@@ -81,12 +100,15 @@ class Error : public std::runtime_error {
 // Source ids inside each row are in increasing order, which fixes the summation order.
 class Plan {
  public:
-  // Validates every index value against [0, num_rows) (ignore_index excepted) and builds the plan.
+  // Validates every index value against [0, num_rows) (ignore_index excepted) and builds the plan
+  // by counting or radix sort, whichever the cost model (or `method`: count or radix) picks.
   static Plan build(const IndexVector& index, int64_t num_rows,
-                    std::optional<int64_t> ignore_index = std::nullopt);
+                    std::optional<int64_t> ignore_index = std::nullopt,
+                    Strategy method = Strategy::automatic);
   // Same, reusing this plan's memory.
   void rebuild(const IndexVector& index, int64_t num_rows,
-               std::optional<int64_t> ignore_index = std::nullopt);
+               std::optional<int64_t> ignore_index = std::nullopt,
+               Strategy method = Strategy::automatic);
 
   int64_t num_rows() const { return num_rows_; }        // N, the destination row count
   int64_t num_entries() const { return num_entries_; }  // K, the index length
@@ -103,7 +125,7 @@ class Plan {
   int64_t num_entries_ = 0;
   std::optional<int64_t> ignore_index_;
   std::vector<int64_t> rows_, offsets_, sources_, ignored_;
-  std::vector<int64_t> counts_;  // scratch of size N kept for rebuild
+  std::vector<int64_t> scratch_;  // sort scratch kept for rebuild
 };
 
 // out[index[i], :] += weight[i] * src[i, :]. out is [N, D], src is [K, D].
@@ -120,6 +142,11 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& ind
 void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
                  const WeightVector& weight = {}, const Options& options = {});
 
+// True when two row-major views may share an element: exact for views with the same row stride
+// and rows no longer than it (e.g. two column slices of one matrix) and for single-row views,
+// conservative (true when their byte ranges meet) otherwise. A 1-D buffer is a one-row view.
+bool views_may_overlap(const ConstMatrix& a, const ConstMatrix& b);
+
 // Threads: the default count used when Options::num_threads == 0. 0 restores hardware concurrency.
 void set_num_threads(int n);
 int get_num_threads();
@@ -132,5 +159,11 @@ Isa supported_isa();  // the best level this CPU and OS support
 Isa active_isa();     // the level in use (after SCATTER_ADD_CPU_ISA and set_isa)
 // Forces a level for tests (clamped to supported_isa()); returns the level now in use.
 Isa set_isa(Isa isa);
+
+// The process-wide strategy used when Options::strategy is automatic: SCATTER_ADD_CPU_STRATEGY
+// (auto, direct, count or radix; read once, an unknown name raises Error at the first call) or
+// set_strategy(). automatic means the cost model chooses.
+Strategy get_strategy();
+void set_strategy(Strategy s);
 
 }  // namespace scatter_add

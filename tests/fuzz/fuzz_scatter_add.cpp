@@ -1,7 +1,9 @@
 // libFuzzer target over the C++ core: random N, K, D, row strides, dtype, index type, weight,
-// ignore_index, index values (in and out of range) and overlapping buffers. Every call is checked
-// against a float64 reference or against the error it must raise, with `out` bit-for-bit unchanged
-// after an error; gather is checked exactly. Any mismatch aborts.
+// ignore_index, index values (in and out of range), overlapping buffers, threads, ISA level and
+// strategy. Every call is checked against a float64 reference or against the error it must raise,
+// with `out` bit-for-bit unchanged after an error; a successful call is repeated at the scalar
+// level with another strategy on one thread and must give the same bits; gather is checked
+// exactly. Any mismatch aborts.
 //   make fuzz FUZZ_SECONDS=60        (corpus kept in tests/fuzz/corpus)
 #include <cmath>
 #include <cstdint>
@@ -64,7 +66,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t ignore = static_cast<int8_t>(r.byte()) % 50;
   const int overlap = r.range(0, 7);  // 0: src overlaps out; 1: index overlaps out; else none
   const int threads = r.range(1, 4);
-  sa::set_isa(static_cast<sa::Isa>(r.range(0, 3)));
+  const sa::Isa isa = static_cast<sa::Isa>(r.range(0, 3));
+  sa::set_isa(isa);
+  const int strategy = r.range(1, 3);  // direct, count, radix
   const size_t es = sa::dtype_size(dt);
 
   // One arena so overlap can be produced on purpose: [out | src | index].
@@ -106,6 +110,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const sa::WeightVector wv{weighted ? w.data() : nullptr, k, sa::DType::f32};
   sa::Options opt;
   opt.num_threads = threads;
+  opt.strategy = static_cast<sa::Strategy>(strategy);
   if (has_ignore) opt.ignore_index = ignore;
 
   // Reference from the inputs as they are now.
@@ -135,6 +140,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!expect_error) die(e.what());
     if (std::memcmp(before.data(), out, before.size()) != 0) die("out changed after an error");
     return 0;
+  }
+  // The same bits at the scalar level, with another strategy, on one thread.
+  {
+    std::vector<unsigned char> again(before);
+    sa::Options o1 = opt;
+    o1.num_threads = 1;
+    o1.strategy = static_cast<sa::Strategy>(strategy % 3 + 1);
+    sa::set_isa(sa::Isa::scalar);
+    sa::index_add_rows({again.data(), n, d, os, dt}, idx, sm, wv, o1);
+    sa::set_isa(isa);
+    for (size_t e = 0; e < out_elems; ++e) {
+      const bool same = std::memcmp(again.data() + e * es, static_cast<unsigned char*>(out) + e * es, es) == 0;
+      if (!same && !(std::isnan(get(dt, again.data(), static_cast<int64_t>(e))) &&
+                     std::isnan(get(dt, out, static_cast<int64_t>(e)))))
+        die("bits differ between strategies / ISA levels / thread counts");
+    }
   }
   const double eps = dt == sa::DType::bf16 ? 1.0 / 256 : dt == sa::DType::f16 ? 1.0 / 2048 : dt == sa::DType::f32 ? 1e-7 : 1e-16;
   const double acc = dt == sa::DType::f64 ? 1.2e-16 : 6e-8;

@@ -1,0 +1,84 @@
+// gather_rows: dst[i] = w[i] * x[index[i]] (zero rows at ignore_index).
+//   by index  the index is validated in one pass, then each thread copies a range of dst rows
+//             (or, when there are fewer rows than threads, a range of columns of every row)
+//             with the next source rows prefetched; one-element rows are copied as scalars
+//   by plan   each x row is read once and written to all its destinations (split by Splitter)
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "dispatch.h"
+#include "parallel.h"
+#include "policy.h"
+#include "splitter.h"
+#include "strategy.h"
+#include "validate.h"
+
+namespace scatter_add {
+namespace cpu {
+
+void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const void* w,
+                const Options& o) {
+  scan_index(index, x.rows, o.ignore_index);  // before the first write
+  const int64_t k = index.size, d = dst.cols;
+  if (k == 0 || d == 0) return;
+  const size_t es = dtype_size(dst.dtype);
+  const GatherJob job{dst.data, dst.row_stride, x.data, x.row_stride, index.data, w,
+                      o.ignore_index.has_value(), o.ignore_index.value_or(0)};
+  const GatherFn fn =
+      active_kernels().gather[static_cast<int>(dst.dtype)][w != nullptr][index.type == IndexType::i64];
+  const int nt = threads_for(o, 2.0 * static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es));
+  const bool by_columns = k < nt;
+  parallel_run(nt, [&](int t, int n) {
+    if (by_columns) {
+      const int64_t a = CpuPolicy::kColumnAlign;
+      const int64_t c0 = std::min(d, d * t / n / a * a);
+      const int64_t c1 = t + 1 == n ? d : std::min(d, d * (t + 1) / n / a * a);
+      if (c0 < c1) fn(job, 0, k, c0, c1);
+    } else {
+      fn(job, k * t / n, k * (t + 1) / n, 0, d);
+    }
+  });
+}
+
+void run_gather_planned(const Matrix& dst, const ConstMatrix& x, const Plan& plan, const void* w,
+                        const Options& o) {
+  const int64_t d = dst.cols;
+  if (plan.num_entries() == 0 || d == 0) return;
+  const size_t es = dtype_size(dst.dtype);
+  const ScaleRowFn scale = active_kernels().scale[static_cast<int>(dst.dtype)];
+  const double* wd = dst.dtype == DType::f64 ? static_cast<const double*>(w) : nullptr;
+  const float* wf = dst.dtype == DType::f64 ? nullptr : static_cast<const float*>(w);
+  // Each x row is read once and written to all its destinations: cost = count + 1 per row.
+  const Splitter split(plan.offsets(), plan.num_distinct(), d, 1);
+  const int nt = threads_for(o, static_cast<double>(split.total()) * static_cast<double>(d) * static_cast<double>(es));
+  const int64_t* rows = plan.rows().data();
+  const int64_t* off = plan.offsets().data();
+  const int64_t* srcs = plan.sources().data();
+  const std::vector<int64_t>& ign = plan.ignored();
+  const int64_t ni = static_cast<int64_t>(ign.size());
+  char* dbase = static_cast<char*>(dst.data);
+  const char* xbase = static_cast<const char*>(x.data);
+  auto copy = [&](int64_t to, int64_t from, int64_t c0, int64_t c1) {
+    char* dp = dbase + static_cast<size_t>(to * dst.row_stride + c0) * es;
+    const size_t bytes = static_cast<size_t>(c1 - c0) * es;
+    if (from < 0) {
+      std::memset(dp, 0, bytes);
+    } else if (w == nullptr) {
+      std::memcpy(dp, xbase + static_cast<size_t>(from * x.row_stride + c0) * es, bytes);
+    } else {
+      const double wv = wd != nullptr ? wd[to] : static_cast<double>(wf[to]);
+      scale(dp, xbase + static_cast<size_t>(from * x.row_stride + c0) * es, wv, 0, c1 - c0);
+    }
+  };
+  parallel_run(nt, [&](int t, int n) {
+    split.for_share(t, n, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = off[r]; j < off[r + 1]; ++j) copy(srcs[j], rows[r], c0, c1);
+    });
+    for (int64_t j = ni * t / n; j < ni * (t + 1) / n; ++j) copy(ign[static_cast<size_t>(j)], -1, 0, d);
+  });
+}
+
+}  // namespace cpu
+}  // namespace scatter_add

@@ -1,0 +1,51 @@
+// The CPU strategies behind the public entry points, and the choice between them. The entry
+// points (scatter_add.cpp) validate the arguments' shapes, then call choose_add and run the
+// strategy; each strategy validates the index values before its first write.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "scatter_add/scatter_add.h"
+
+namespace scatter_add {
+namespace cpu {
+
+// Weights in the accumulator type of `data` (double for f64, float otherwise), indexed by source
+// id; the caller's buffer when it already has that type, else *f or *d filled.
+const void* weights_as_acc(const WeightVector& w, DType data, std::vector<float>* f,
+                           std::vector<double>* d);
+
+// Threads for `bytes` of memory traffic: at most the requested count (Options::num_threads or
+// the default), fewer when each would get less than CpuPolicy::kMinBytesPerThread.
+int threads_for(const Options& o, double bytes);
+
+struct AddShape {
+  int64_t n, k, d;  // out rows, index entries, columns
+  DType dtype;
+};
+// The strategy index_add_rows runs: Options::strategy, else get_strategy(), else the cheapest
+// by the cost model (policy.h). Never automatic.
+Strategy choose_add(const AddShape& s, const Options& o);
+// Estimated nanoseconds of each strategy for the shape, single thread (for the benchmark's
+// report and the tests of the chooser).
+double estimate_ns(const AddShape& s, Strategy strategy);
+// Which sort a plan of k entries into n rows uses by cost.
+bool plan_prefers_radix(int64_t n, int64_t k);
+
+// out[index[i]] += w[i] * src[i] without a plan (strategy_direct.cpp). w is in the accumulator
+// type (weights_as_acc) or null.
+void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
+                const Options& o);
+// The same over a plan's rows (strategy_planned.cpp).
+void run_planned(const Matrix& out, const Plan& plan, const ConstMatrix& src, const void* w,
+                 const Options& o);
+
+// dst[i] = w[i] * x[index[i]] (gather.cpp): by the index (validated first), or by a plan.
+void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const void* w,
+                const Options& o);
+void run_gather_planned(const Matrix& dst, const ConstMatrix& x, const Plan& plan, const void* w,
+                        const Options& o);
+
+}  // namespace cpu
+}  // namespace scatter_add

@@ -1,0 +1,134 @@
+// Strategy "direct": no sort. Sources are walked in increasing order and each is added into its
+// destination row, so every row sees its contributions in source order.
+//   float32/float64: the row itself is the accumulator (acc type == storage type).
+//   bf16/fp16: when no row repeats, the same (one contribution, one rounding); when rows repeat,
+//     the touched rows are copied into a float32 scratch (rank of a bitmap of the N rows gives
+//     each its slot), summed there and rounded once on the way back.
+// Threads: each thread owns a range of columns of every row (when rows are wide enough for whole
+// cache lines per thread) or a range of rows, cut where the index's per-block counts balance the
+// work; either way each output element has one owner and one summation order.
+#include <algorithm>
+#include <vector>
+
+#include "dispatch.h"
+#include "parallel.h"
+#include "policy.h"
+#include "strategy.h"
+#include "validate.h"
+
+namespace scatter_add {
+namespace cpu {
+
+namespace {
+
+int block_shift_for(int64_t n) {
+  int shift = 6;  // whole bitmap words per block
+  while ((n >> shift) >= CpuPolicy::kMaxBlocks) ++shift;
+  return shift;
+}
+
+}  // namespace
+
+void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
+                const Options& o) {
+  const int64_t n = out.rows, k = index.size, d = out.cols;
+  const size_t es = dtype_size(out.dtype);
+  const bool narrow = es == 2;
+  const int di = static_cast<int>(out.dtype);
+  const bool i64 = index.type == IndexType::i64;
+  const bool weighted = w != nullptr;
+
+  // Threads and the split, decided before the index pass so that it counts what the split needs.
+  const double bytes = static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es) * 3.0;
+  const int nt = d == 0 ? 1 : threads_for(o, bytes);
+  const bool split_columns = nt > 1 && d * static_cast<int64_t>(es) >= nt * CpuPolicy::kMinColumnShareBytes;
+  const bool split_rows = nt > 1 && !split_columns;
+  const int shift = block_shift_for(n);
+
+  std::vector<uint64_t> bits(narrow ? static_cast<size_t>((n + 63) / 64) : 0);
+  std::vector<int64_t> blocks(split_rows ? static_cast<size_t>((n >> shift) + 1) : 0);
+  const IndexScan scan = scan_index(index, n, o.ignore_index, narrow ? bits.data() : nullptr,
+                                    split_rows ? blocks.data() : nullptr, shift);
+  if (d == 0 || scan.kept == 0) return;
+
+  DirectJob job{};
+  job.out = out.data;
+  job.out_stride = out.row_stride;
+  job.src = src.data;
+  job.src_stride = src.row_stride;
+  job.index = index.data;
+  job.w = w;
+  job.has_ignore = o.ignore_index.has_value();
+  job.ignore = job.has_ignore ? *o.ignore_index : 0;
+  job.row_lo = 0;
+  job.row_hi = n;
+
+  // The float32 scratch when a bf16/fp16 row repeats.
+  const bool scratch = narrow && scan.duplicates;
+  std::vector<int64_t> slot_base;
+  std::vector<float> acc;
+  if (scratch) {
+    slot_base.resize(bits.size());
+    int64_t s = 0;
+    for (size_t i = 0; i < bits.size(); ++i) {
+      slot_base[i] = s;
+      s += __builtin_popcountll(bits[i]);
+    }
+    job.scratch_stride = d == 1 ? 1 : (d + 15) / 16 * 16;  // whole vectors of any level
+    acc.resize(static_cast<size_t>(s * job.scratch_stride));
+    job.scratch = acc.data();
+    job.slot_bits = bits.data();
+    job.slot_base = slot_base.data();
+  }
+  const KernelTable& kt = active_kernels();
+  const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
+  const ScratchFn copy = scratch ? kt.scratch_copy[di] : nullptr;
+  const int64_t words = static_cast<int64_t>(bits.size());
+
+  // Row split: block boundaries at equal shares of the kept entries (plus one per block, so that
+  // an index concentrated in few blocks still spreads the rows).
+  std::vector<int64_t> cut;
+  if (split_rows) {
+    const int64_t nb = static_cast<int64_t>(blocks.size());
+    int64_t total = 0;
+    for (int64_t b = 0; b < nb; ++b) total += blocks[static_cast<size_t>(b)] + 1;
+    cut.assign(static_cast<size_t>(nt) + 1, nb);
+    cut[0] = 0;
+    int64_t run = 0, t = 1;
+    for (int64_t b = 0; b < nb && t < nt; ++b) {
+      run += blocks[static_cast<size_t>(b)] + 1;
+      while (t < nt && run * nt >= total * t) cut[static_cast<size_t>(t++)] = b + 1;
+    }
+  }
+
+  parallel_run(nt, [&](int t, int nth) {
+    DirectJob mine = job;
+    int64_t c0 = 0, c1 = d, w0 = 0, w1 = words;
+    if (split_columns) {
+      const int64_t align = CpuPolicy::kColumnAlign;
+      c0 = std::min(d, (d * t / nth + align - 1) / align * align);
+      c1 = t + 1 == nth ? d : std::min(d, (d * (t + 1) / nth + align - 1) / align * align);
+      if (c0 >= c1) return;
+    } else if (split_rows) {
+      // Runs only as the thread count it was cut for; otherwise one thread does every row.
+      if (nth != nt) {
+        if (t != 0) return;
+      } else {
+        mine.row_lo = std::min(n, cut[static_cast<size_t>(t)] << shift);
+        mine.row_hi = std::min(n, cut[static_cast<size_t>(t) + 1] << shift);
+        if (mine.row_lo >= mine.row_hi) return;
+        w0 = mine.row_lo >> 6;
+        w1 = (mine.row_hi + 63) >> 6;
+      }
+    }
+    if (scratch) {
+      mine.scratch = static_cast<float*>(job.scratch) + c0;
+      copy(mine, w0, w1, c0, c1, false);
+    }
+    add(mine, 0, k, c0, c1);
+    if (scratch) copy(mine, w0, w1, c0, c1, true);
+  });
+}
+
+}  // namespace cpu
+}  // namespace scatter_add

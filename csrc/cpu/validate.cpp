@@ -1,0 +1,276 @@
+// Argument checks (see validate.h) and views_may_overlap. Compiled without ISA flags.
+#include "validate.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace scatter_add {
+
+namespace {
+
+bool valid_dtype(DType t) { return static_cast<unsigned>(t) <= 3u; }
+
+std::string shape_str(int64_t rows, int64_t cols) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+// The bytes a view touches: `rows` runs of `width` bytes, `stride` bytes apart, from `base`.
+// end is one past the last byte. Built only from views that passed check_view, whose byte extent
+// fits in the address space.
+struct ByteView {
+  uintptr_t base = 0;
+  int64_t rows = 0, width = 0, stride = 0;
+  uintptr_t end() const { return base + static_cast<uintptr_t>((rows - 1) * stride + width); }
+  bool empty() const { return base == 0 || rows <= 0 || width <= 0; }
+};
+
+ByteView bytes_of(const void* data, int64_t rows, int64_t cols, int64_t stride, size_t es) {
+  const int64_t e = static_cast<int64_t>(es);
+  return {reinterpret_cast<uintptr_t>(data), rows, cols * e, rows > 1 ? stride * e : 0};
+}
+
+// Does row i of `v` (for some i in [0, v.rows)) meet the byte range [lo, hi)?
+bool rows_meet_range(const ByteView& v, uintptr_t lo, uintptr_t hi) {
+  if (v.rows == 1 || v.stride == 0) return v.base < hi && lo < v.base + static_cast<uintptr_t>(v.width);
+  // Row i covers [base + i*s, base + i*s + w): it meets [lo, hi) iff base + i*s < hi and
+  // base + i*s + w > lo, i.e. i in (lo - w - base) / s .. (hi - 1 - base) / s.
+  const __int128 s = v.stride, b = static_cast<__int128>(v.base), w = v.width;
+  __int128 i_lo = static_cast<__int128>(lo) - w - b + 1;  // smallest i*s allowed
+  i_lo = i_lo <= 0 ? 0 : (i_lo + s - 1) / s;
+  __int128 top = static_cast<__int128>(hi) - 1 - b;  // largest i*s allowed
+  if (top < 0) return false;
+  const __int128 i_hi = std::min<__int128>(top / s, v.rows - 1);
+  return i_lo <= i_hi;
+}
+
+bool may_overlap(const ByteView& a, const ByteView& b) {
+  if (a.empty() || b.empty()) return false;
+  if (!(a.base < b.end() && b.base < a.end())) return false;  // byte ranges apart
+  if (a.rows == 1 || a.stride == 0) return rows_meet_range(b, a.base, a.base + static_cast<uintptr_t>(a.width));
+  if (b.rows == 1 || b.stride == 0) return rows_meet_range(a, b.base, b.base + static_cast<uintptr_t>(b.width));
+  if (a.stride != b.stride || a.width > a.stride || b.width > b.stride) return true;  // undecided
+  // Same stride s: with b.base - a.base = q*s + r (0 <= r < s), row j of b starts r bytes into
+  // row j + q of a; it meets that row when r < a.width and the next one when r + b.width > s.
+  const __int128 s = a.stride;
+  const __int128 diff = static_cast<__int128>(b.base) - static_cast<__int128>(a.base);
+  __int128 q = diff / s, r = diff % s;
+  if (r < 0) {
+    r += s;
+    q -= 1;
+  }
+  auto rows_pair = [&](__int128 shift) {  // some j in [0, b.rows) with j + shift in [0, a.rows)
+    const __int128 lo = std::max<__int128>(0, -shift), hi = std::min<__int128>(b.rows, a.rows - shift);
+    return lo < hi;
+  };
+  return (r < a.width && rows_pair(q)) || (r + b.width > s && rows_pair(q + 1));
+}
+
+void check_view(const char* op, const char* name, const void* data, int64_t rows, int64_t cols,
+                int64_t stride, DType dtype, bool writable) {
+  if (!valid_dtype(dtype))
+    cpu::fail(op, Error::Kind::value,
+              std::string(name) + " has an unknown dtype code " + std::to_string(static_cast<int>(dtype)));
+  if (rows < 0 || cols < 0)
+    cpu::fail(op, Error::Kind::value, std::string(name) + " has a negative shape " + shape_str(rows, cols));
+  if (stride < 0)
+    cpu::fail(op, Error::Kind::value,
+              std::string(name) + " has a negative row stride " + std::to_string(stride));
+  if (writable && rows > 1 && stride < cols)
+    cpu::fail(op, Error::Kind::value,
+              std::string(name) + " row stride " + std::to_string(stride) +
+                  " is smaller than its row length " + std::to_string(cols) + " (rows would alias)");
+  if (data == nullptr && rows > 0 && cols > 0)
+    cpu::fail(op, Error::Kind::value,
+              std::string(name) + " is null but has shape " + shape_str(rows, cols));
+  if (rows == 0 || cols == 0) return;
+  // (rows - 1) * stride + cols elements of es bytes must fit in the address space from data.
+  const int64_t es = static_cast<int64_t>(dtype_size(dtype));
+  int64_t span = 0, bytes = 0;
+  const bool overflow = __builtin_mul_overflow(rows - 1, rows > 1 ? stride : 0, &span) ||
+                        __builtin_add_overflow(span, cols, &span) ||
+                        __builtin_mul_overflow(span, es, &bytes) ||
+                        reinterpret_cast<uintptr_t>(data) > std::numeric_limits<uintptr_t>::max() -
+                                                              static_cast<uintptr_t>(bytes);
+  if (overflow)
+    cpu::fail(op, Error::Kind::value,
+              std::string(name) + " of shape " + shape_str(rows, cols) + " with row stride " +
+                  std::to_string(stride) + " spans more memory than the address space");
+}
+
+void check_weight(const char* op, const WeightVector& w, int64_t k) {
+  if (w.data == nullptr) return;
+  if (!valid_dtype(w.dtype))
+    cpu::fail(op, Error::Kind::value,
+              "weight has an unknown dtype code " + std::to_string(static_cast<int>(w.dtype)));
+  if (w.size != k)
+    cpu::fail(op, Error::Kind::value,
+              "weight has " + std::to_string(w.size) + " entries but index has " + std::to_string(k));
+}
+
+// `other` (index or weight bytes, a one-row view) must not share a byte with the output view.
+void check_vector_overlap(const char* op, const ByteView& out, const void* data, int64_t bytes,
+                          const char* what, const char* out_name) {
+  if (may_overlap(out, {reinterpret_cast<uintptr_t>(data), 1, bytes, 0}))
+    cpu::fail(op, Error::Kind::value, std::string(what) + " memory overlaps " + out_name);
+}
+
+template <class I>
+[[noreturn]] void throw_bad_index(const I* idx, int64_t k, int64_t n, std::optional<int64_t> ignore) {
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t v = static_cast<int64_t>(idx[i]);
+    if ((ignore && v == *ignore) || (v >= 0 && v < n)) continue;
+    std::string msg = "index[" + std::to_string(i) + "] = " + std::to_string(v) +
+                      " is out of range for " + std::to_string(n) + " rows (valid: 0.." +
+                      std::to_string(n - 1) + ")";
+    if (ignore) msg += " and is not ignore_index = " + std::to_string(*ignore);
+    throw Error(Error::Kind::index, msg);
+  }
+  throw Error(Error::Kind::index, "index has a value out of range");  // not reached
+}
+
+template <class I>
+cpu::IndexScan scan(const I* idx, int64_t k, int64_t n, std::optional<int64_t> ignore,
+                    uint64_t* bits, int64_t* block_counts, int shift) {
+  cpu::IndexScan s;
+  const bool has_ignore = ignore.has_value();
+  const int64_t ign = has_ignore ? *ignore : 0;
+  const uint64_t un = static_cast<uint64_t>(n);
+  int64_t ignored = 0;
+  if (bits == nullptr && block_counts == nullptr) {
+    // The common case: a branch-free pass the compiler vectorises.
+    bool bad = false;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t v = static_cast<int64_t>(idx[i]);
+      const bool is_ignored = has_ignore && v == ign;
+      ignored += is_ignored;
+      bad |= !is_ignored && static_cast<uint64_t>(v) >= un;
+    }
+    if (bad) throw_bad_index(idx, k, n, ignore);
+    s.kept = k - ignored;
+    return s;
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t v = static_cast<int64_t>(idx[i]);
+    if (has_ignore && v == ign) {
+      ++ignored;
+      continue;
+    }
+    if (static_cast<uint64_t>(v) >= un) throw_bad_index(idx, k, n, ignore);
+    if (bits != nullptr) {
+      uint64_t& word = bits[v >> 6];
+      const uint64_t m = uint64_t(1) << (v & 63);
+      s.duplicates |= (word & m) != 0;
+      s.distinct += (word & m) == 0;
+      word |= m;
+    }
+    if (block_counts != nullptr) ++block_counts[v >> shift];
+  }
+  s.kept = k - ignored;
+  return s;
+}
+
+}  // namespace
+
+bool views_may_overlap(const ConstMatrix& a, const ConstMatrix& b) {
+  if (!valid_dtype(a.dtype) || !valid_dtype(b.dtype)) return true;
+  return may_overlap(bytes_of(a.data, a.rows, a.cols, a.row_stride, dtype_size(a.dtype)),
+                     bytes_of(b.data, b.rows, b.cols, b.row_stride, dtype_size(b.dtype)));
+}
+
+namespace cpu {
+
+void fail(const char* op, Error::Kind kind, const std::string& msg) {
+  throw Error(kind, std::string(op) + ": " + msg);
+}
+
+size_t index_bytes(const IndexVector& index) {
+  return static_cast<size_t>(index.size) * (index.type == IndexType::i32 ? 4 : 8);
+}
+
+void check_index(const char* op, const IndexVector& index, int64_t k_expected, const char* rows_of) {
+  if (index.type != IndexType::i32 && index.type != IndexType::i64)
+    fail(op, Error::Kind::value,
+         "index must be int32 or int64, got type code " + std::to_string(static_cast<int>(index.type)));
+  if (index.size != k_expected)
+    fail(op, Error::Kind::value,
+         "index has " + std::to_string(index.size) + " entries but " + rows_of + " has " +
+             std::to_string(k_expected) + " rows");
+  if (index.data == nullptr && index.size > 0)
+    fail(op, Error::Kind::value, "index is null but has " + std::to_string(index.size) + " entries");
+}
+
+void check_add_args(const char* op, const Matrix& out, const ConstMatrix& src,
+                    const WeightVector& weight, int64_t k, const void* index_data,
+                    size_t index_bytes) {
+  check_view(op, "out", out.data, out.rows, out.cols, out.row_stride, out.dtype, true);
+  check_view(op, "src", src.data, src.rows, src.cols, src.row_stride, src.dtype, false);
+  if (src.dtype != out.dtype)
+    fail(op, Error::Kind::value,
+         std::string("src dtype ") + dtype_name(src.dtype) + " does not match out dtype " +
+             dtype_name(out.dtype));
+  if (src.rows != k)
+    fail(op, Error::Kind::value,
+         "src has " + std::to_string(src.rows) + " rows but index has " + std::to_string(k) + " entries");
+  if (src.cols != out.cols)
+    fail(op, Error::Kind::value,
+         "src has " + std::to_string(src.cols) + " columns but out has " + std::to_string(out.cols));
+  check_weight(op, weight, k);
+  const size_t es = dtype_size(out.dtype);
+  const ByteView o = bytes_of(out.data, out.rows, out.cols, out.row_stride, es);
+  if (may_overlap(o, bytes_of(src.data, src.rows, src.cols, src.row_stride, es)))
+    fail(op, Error::Kind::value, "src memory overlaps out (in-place aliasing is not supported)");
+  check_vector_overlap(op, o, index_data, static_cast<int64_t>(index_bytes), "index", "out");
+  if (weight.data != nullptr)
+    check_vector_overlap(op, o, weight.data,
+                         weight.size * static_cast<int64_t>(dtype_size(weight.dtype)), "weight", "out");
+}
+
+void check_gather_args(const char* op, const Matrix& dst, const ConstMatrix& x,
+                       const WeightVector& weight, const void* index_data, size_t index_bytes) {
+  check_view(op, "dst", dst.data, dst.rows, dst.cols, dst.row_stride, dst.dtype, true);
+  check_view(op, "x", x.data, x.rows, x.cols, x.row_stride, x.dtype, false);
+  if (x.dtype != dst.dtype)
+    fail(op, Error::Kind::value,
+         std::string("x dtype ") + dtype_name(x.dtype) + " does not match dst dtype " +
+             dtype_name(dst.dtype));
+  if (x.cols != dst.cols)
+    fail(op, Error::Kind::value,
+         "x has " + std::to_string(x.cols) + " columns but dst has " + std::to_string(dst.cols));
+  check_weight(op, weight, dst.rows);
+  const size_t es = dtype_size(dst.dtype);
+  const ByteView o = bytes_of(dst.data, dst.rows, dst.cols, dst.row_stride, es);
+  if (may_overlap(o, bytes_of(x.data, x.rows, x.cols, x.row_stride, es)))
+    fail(op, Error::Kind::value, "x memory overlaps dst");
+  check_vector_overlap(op, o, index_data, static_cast<int64_t>(index_bytes), "index", "dst");
+  if (weight.data != nullptr)
+    check_vector_overlap(op, o, weight.data,
+                         weight.size * static_cast<int64_t>(dtype_size(weight.dtype)), "weight", "dst");
+}
+
+void check_plan(const char* op, const Plan& plan, int64_t n, const char* n_name, int64_t k,
+                const char* k_name, const Options& options) {
+  if (plan.num_rows() != n)
+    fail(op, Error::Kind::value,
+         "plan was built for " + std::to_string(plan.num_rows()) + " rows but " + n_name + " has " +
+             std::to_string(n));
+  if (plan.num_entries() != k)
+    fail(op, Error::Kind::value,
+         "plan was built for " + std::to_string(plan.num_entries()) + " entries but " + k_name +
+             " has " + std::to_string(k) + " rows");
+  if (options.ignore_index && options.ignore_index != plan.ignore_index())
+    fail(op, Error::Kind::value,
+         "ignore_index = " + std::to_string(*options.ignore_index) +
+             " differs from the plan's ignore_index");
+}
+
+IndexScan scan_index(const IndexVector& index, int64_t n, std::optional<int64_t> ignore,
+                     uint64_t* bits, int64_t* block_counts, int block_shift) {
+  if (index.type == IndexType::i32)
+    return scan(static_cast<const int32_t*>(index.data), index.size, n, ignore, bits, block_counts,
+                block_shift);
+  return scan(static_cast<const int64_t*>(index.data), index.size, n, ignore, bits, block_counts,
+              block_shift);
+}
+
+}  // namespace cpu
+}  // namespace scatter_add

@@ -1,0 +1,47 @@
+// Argument checks of the public entry points. Everything here runs before the first write, so an
+// error leaves the output untouched. Messages name the argument, the position and the value.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "scatter_add/scatter_add.h"
+
+namespace scatter_add {
+namespace cpu {
+
+[[noreturn]] void fail(const char* op, Error::Kind kind, const std::string& msg);
+
+// Shapes, dtypes, strides, null pointers, address-space overflow and overlap of index_add_rows'
+// arguments (k is the index length; index_bytes its size, 0 when a plan is passed).
+void check_add_args(const char* op, const Matrix& out, const ConstMatrix& src,
+                    const WeightVector& weight, int64_t k, const void* index_data,
+                    size_t index_bytes);
+// The same for gather_rows.
+void check_gather_args(const char* op, const Matrix& dst, const ConstMatrix& x,
+                       const WeightVector& weight, const void* index_data, size_t index_bytes);
+// The index vector itself (type, length against the [K, D] operand, null data).
+void check_index(const char* op, const IndexVector& index, int64_t k_expected, const char* rows_of);
+// A plan must match the [N, D] operand's rows, the [K, D] operand's rows and ignore_index.
+void check_plan(const char* op, const Plan& plan, int64_t n, const char* n_name, int64_t k,
+                const char* k_name, const Options& options);
+
+size_t index_bytes(const IndexVector& index);
+
+// What one pass over the index values learns; bad values throw Error(index) naming the first.
+struct IndexScan {
+  int64_t kept = 0;          // entries not equal to ignore_index
+  bool duplicates = false;   // some row appears twice (only when `bits` was given)
+  int64_t distinct = 0;      // distinct rows (only when `bits` was given)
+};
+// Validates every value against [0, n) (ignore excepted). With `bits` (n bits, zeroed by the
+// caller), also marks each kept row and finds duplicates; with `block_counts` (zeroed, n >>
+// block_shift + 1 entries), counts kept entries per block of 2^block_shift rows.
+IndexScan scan_index(const IndexVector& index, int64_t n, std::optional<int64_t> ignore,
+                     uint64_t* bits = nullptr, int64_t* block_counts = nullptr,
+                     int block_shift = 0);
+
+}  // namespace cpu
+}  // namespace scatter_add

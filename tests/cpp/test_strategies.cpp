@@ -1,0 +1,292 @@
+// One set of bits whatever runs: every strategy (direct, count, radix) x thread count x ISA level
+// (CTest runs the suite once per level) gives exactly the bits of the summation contract,
+// computed here element by element: start from out, acc = fma(w, s, acc) (acc + s unweighted) in
+// float32 (float64 for f64) in increasing source order, round once, subnormals kept. The data are
+// full of subnormals of each dtype. Also: gather's bits, views_may_overlap, bad views, and the
+// strategy switches.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace {
+
+// Values of every kind for dtype t: normal, subnormal, zero, and tiny enough that sums of a few
+// land in the subnormal range.
+Buf special_buf(DType t, size_t n, std::mt19937_64& rng) {
+  const double tiny = t == DType::f64 ? 1e-308 : t == DType::f16 ? 4e-5 : 1e-38;
+  Buf b(t, n);
+  std::uniform_real_distribution<double> u(-2.0, 2.0);
+  for (size_t i = 0; i < n; ++i) {
+    switch (rng() % 6) {
+      case 0: b.set(i, u(rng)); break;
+      case 1: b.set(i, 0.0); break;
+      default: b.set(i, u(rng) * tiny); break;
+    }
+  }
+  return b;
+}
+
+std::vector<float> special_weights(int64_t k, std::mt19937_64& rng) {
+  std::vector<float> w(static_cast<size_t>(k));
+  std::uniform_real_distribution<float> u(-1.5f, 1.5f);
+  for (auto& x : w) x = (rng() % 4 == 0) ? 0.5f : u(rng);
+  return w;
+}
+
+// The contract, one element at a time (std::fma: one rounding). Only touched rows are rounded
+// back, so untouched rows keep their bits.
+void reference_add(Buf& out, int64_t n, int64_t d, int64_t os, const Buf& src, int64_t ss,
+                   const std::vector<int64_t>& iv, const float* w, std::optional<int64_t> ignore) {
+  const DType t = out.dtype;
+  std::vector<double> acc64;
+  std::vector<float> acc32;
+  std::vector<char> touched(static_cast<size_t>(n), 0);
+  if (t == DType::f64)
+    acc64.resize(static_cast<size_t>(n * d));
+  else
+    acc32.resize(static_cast<size_t>(n * d));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < d; ++j) {
+      if (t == DType::f64)
+        acc64[r * d + j] = out.get(r * os + j);
+      else
+        acc32[r * d + j] = static_cast<float>(out.get(r * os + j));
+    }
+  for (size_t i = 0; i < iv.size(); ++i) {
+    const int64_t r = iv[i];
+    if (ignore && r == *ignore) continue;
+    touched[r] = 1;
+    for (int64_t j = 0; j < d; ++j) {
+      const double s = src.get(i * ss + j);
+      if (t == DType::f64) {
+        double& a = acc64[r * d + j];
+        a = w ? std::fma(static_cast<double>(w[i]), s, a) : a + s;
+      } else {
+        float& a = acc32[r * d + j];
+        a = w ? std::fma(w[i], static_cast<float>(s), a) : a + static_cast<float>(s);
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    if (!touched[r]) continue;
+    for (int64_t j = 0; j < d; ++j) {
+      if (t == DType::f64)
+        out.set(r * os + j, acc64[r * d + j]);
+      else
+        out.set(r * os + j, acc32[r * d + j]);  // f32 exact; bf16/f16 one rounding (set rounds)
+    }
+  }
+}
+
+struct StrategyShape {
+  int64_t n, k, d;
+  Pattern p;
+};
+const StrategyShape kStrategyShapes[] = {
+    {1, 5, 1, Pattern::uniform},      {37, 80, 1, Pattern::uniform},   {4096, 64, 3, Pattern::uniform},
+    {50, 2000, 2, Pattern::zipf},     {20, 60, 17, Pattern::all_equal}, {300, 600, 64, Pattern::moe_topk},
+    {64, 700, 33, Pattern::hot_row},  {40, 30, 1030, Pattern::hot_row}, {100, 300, 129, Pattern::sorted},
+    {5000, 3000, 16, Pattern::zipf},
+};
+const sa::Strategy kStrategies[] = {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix};
+
+TEST(Strategies, EveryStrategyAndThreadCountGivesTheContractBits) {
+  uint64_t seed = 100;
+  for (const StrategyShape& sh : kStrategyShapes)
+    for (DType t : kDtypes)
+      for (IndexType it : kItypes)
+        for (bool weighted : {false, true})
+          for (bool ig : {false, true}) {
+            std::mt19937_64 rng(seed++);
+            const int64_t os = sh.d + (seed % 3 == 0 ? 3 : 0), ss = sh.d + (seed % 2 ? 5 : 0);
+            const Buf out0 = special_buf(t, static_cast<size_t>(sh.n * os), rng);
+            const Buf src = special_buf(t, static_cast<size_t>(std::max<int64_t>(sh.k * ss, 1)), rng);
+            std::vector<int64_t> iv = make_indices(sh.p, sh.n, sh.k, rng);
+            std::optional<int64_t> ignore;
+            if (ig) {
+              ignore = -1;
+              for (int64_t i = 0; i < sh.k; i += 4) iv[static_cast<size_t>(i)] = -1;
+            }
+            const Idx idx = make_idx(it, iv);
+            const std::vector<float> w = special_weights(sh.k, rng);
+            Buf want = out0;
+            reference_add(want, sh.n, sh.d, os, src, ss, iv, weighted ? w.data() : nullptr, ignore);
+            for (sa::Strategy st : kStrategies)
+              for (int threads : {1, 2, 3}) {
+                Buf out = out0;
+                sa::Options opt;
+                opt.strategy = st;
+                opt.num_threads = threads;
+                opt.ignore_index = ignore;
+                sa::index_add_rows(mat(out, sh.n, sh.d, os), idx.view(), cmat(src, sh.k, sh.d, ss),
+                                   {weighted ? w.data() : nullptr, sh.k, DType::f32}, opt);
+                if (out.bytes != want.bytes) {
+                  size_t e = 0;
+                  while (e < out.size() && out.get(e) == want.get(e)) ++e;
+                  FAIL() << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64")
+                         << (weighted ? " weighted" : "") << (ig ? " ignore" : "") << " N=" << sh.n
+                         << " K=" << sh.k << " D=" << sh.d << " strategy=" << sa::strategy_name(st)
+                         << " threads=" << threads << " isa=" << sa::isa_name(sa::active_isa())
+                         << ": element " << e << " is " << out.get(e) << ", want " << want.get(e);
+                }
+              }
+          }
+}
+
+TEST(Strategies, PlanMethodsGiveTheSamePlan) {
+  std::mt19937_64 rng(7);
+  for (int64_t n : {1, 100, 70000})
+    for (Pattern p : {Pattern::uniform, Pattern::zipf, Pattern::all_equal}) {
+      const std::vector<int64_t> iv = make_indices(p, n, 3000, rng);
+      const Idx idx = make_idx(IndexType::i64, iv);
+      const sa::Plan a = sa::Plan::build(idx.view(), n, std::nullopt, sa::Strategy::count);
+      const sa::Plan b = sa::Plan::build(idx.view(), n, std::nullopt, sa::Strategy::radix);
+      EXPECT_EQ(a.rows(), b.rows());
+      EXPECT_EQ(a.offsets(), b.offsets());
+      EXPECT_EQ(a.sources(), b.sources());
+    }
+}
+
+TEST(Strategies, GatherBitsAreOneRoundedProductWhateverTheSplit) {
+  uint64_t seed = 900;
+  for (DType t : kDtypes)
+    for (IndexType it : kItypes)
+      for (bool weighted : {false, true})
+        for (int64_t d : {1, 7, 64, 300})
+          for (int64_t k : {1, 3, 500}) {
+            std::mt19937_64 rng(seed++);
+            const int64_t n = 40;
+            const Buf x = special_buf(t, static_cast<size_t>(n * d), rng);
+            std::vector<int64_t> iv = make_indices(Pattern::uniform, n, k, rng);
+            iv[0] = -3;
+            const Idx idx = make_idx(it, iv);
+            const std::vector<float> w = special_weights(k, rng);
+            Buf want(t, static_cast<size_t>(k * d));
+            for (int64_t i = 0; i < k; ++i)
+              for (int64_t j = 0; j < d; ++j) {
+                if (iv[i] == -3) continue;  // zero
+                const double v = x.get(iv[i] * d + j);
+                if (!weighted)
+                  want.set(i * d + j, v);
+                else if (t == DType::f64)
+                  want.set(i * d + j, static_cast<double>(w[i]) * v);
+                else
+                  want.set(i * d + j, w[i] * static_cast<float>(v));
+              }
+            for (int threads : {1, 2, 3}) {
+              Buf dst = special_buf(t, static_cast<size_t>(k * d), rng);
+              sa::Options opt;
+              opt.num_threads = threads;
+              opt.ignore_index = -3;
+              sa::gather_rows(mat(dst, k, d, d), cmat(x, n, d, d), idx.view(),
+                              {weighted ? w.data() : nullptr, k, DType::f32}, opt);
+              ASSERT_EQ(dst.bytes, want.bytes) << sa::dtype_name(t) << " d=" << d << " k=" << k
+                                               << " threads=" << threads;
+            }
+          }
+}
+
+TEST(Overlap, ElementsNotByteRanges) {
+  std::vector<float> m(10 * 8);
+  const float* p = m.data();
+  auto view = [&](int64_t off, int64_t rows, int64_t cols, int64_t stride) {
+    return sa::ConstMatrix{p + off, rows, cols, stride, DType::f32};
+  };
+  // Column slices of one [10, 8] matrix: left and right halves share no element.
+  EXPECT_FALSE(sa::views_may_overlap(view(0, 10, 4, 8), view(4, 10, 4, 8)));
+  EXPECT_TRUE(sa::views_may_overlap(view(0, 10, 5, 8), view(4, 10, 4, 8)));
+  // Interleaved even/odd columns (rows of 1 element, stride 2 in a [40, 2] view).
+  EXPECT_FALSE(sa::views_may_overlap(view(0, 40, 1, 2), view(1, 40, 1, 2)));
+  // Shifted by whole rows: row j of b is row j + 2 of a.
+  EXPECT_TRUE(sa::views_may_overlap(view(0, 5, 8, 8), view(16, 5, 8, 8)));
+  EXPECT_FALSE(sa::views_may_overlap(view(0, 2, 8, 8), view(16, 5, 8, 8)));
+  // Right half of rows 0..4 against the left half of rows 5..9: no shared element.
+  EXPECT_FALSE(sa::views_may_overlap(view(4, 5, 4, 8), view(40, 5, 4, 8)));
+  // A one-row view against rows: exact.
+  EXPECT_FALSE(sa::views_may_overlap(view(4, 1, 4, 0), view(8, 9, 4, 8)));
+  EXPECT_TRUE(sa::views_may_overlap(view(3, 1, 2, 0), view(0, 10, 4, 8)));
+  EXPECT_FALSE(sa::views_may_overlap(view(4, 1, 4, 0), view(0, 10, 4, 8)));
+  // Different strides: conservative.
+  EXPECT_TRUE(sa::views_may_overlap(view(0, 5, 2, 16), view(4, 4, 2, 8)));
+  // Byte ranges apart, and empty views.
+  EXPECT_FALSE(sa::views_may_overlap(view(0, 2, 8, 8), view(16, 2, 8, 8)));
+  EXPECT_FALSE(sa::views_may_overlap(view(0, 0, 8, 8), view(0, 10, 8, 8)));
+  EXPECT_FALSE(sa::views_may_overlap(view(0, 10, 0, 8), view(0, 10, 8, 8)));
+}
+
+TEST(Overlap, ColumnSlicesOfOneMatrixAreAccepted) {
+  // out = left half, src = right half of the same [6, 8] buffer: legal, and computed right.
+  std::vector<float> m(6 * 8);
+  for (size_t i = 0; i < m.size(); ++i) m[i] = static_cast<float>(i);
+  const std::vector<float> before = m;
+  const Idx idx = make_idx(IndexType::i64, {2, 0, 2, 5, 1, 3});
+  sa::index_add_rows({m.data(), 6, 4, 8, DType::f32}, idx.view(), sa::ConstMatrix{m.data() + 4, 6, 4, 8, DType::f32});
+  for (int64_t r = 0; r < 6; ++r)
+    for (int64_t j = 0; j < 4; ++j) {
+      float want = before[r * 8 + j];
+      for (int64_t i = 0; i < 6; ++i)
+        if (idx.values[i] == r) want += before[i * 8 + 4 + j];
+      EXPECT_EQ(m[r * 8 + j], want);
+    }
+  // A real overlap is still refused, with the output untouched.
+  const std::vector<float> snapshot = m;
+  EXPECT_THROW(sa::index_add_rows({m.data(), 6, 5, 8, DType::f32}, idx.view(),
+                                  sa::ConstMatrix{m.data() + 4, 6, 4, 8, DType::f32}),
+               sa::Error);
+  EXPECT_EQ(m, snapshot);
+}
+
+TEST(BadView, HugeStrideIsAValueErrorNotOverflow) {
+  std::vector<float> buf(16);
+  const Idx idx = make_idx(IndexType::i64, {});
+  std::vector<float> s(4);
+  try {
+    sa::index_add_rows({buf.data(), 3, 4, int64_t(1) << 62, DType::f32}, idx.view(), sa::ConstMatrix{s.data(), 0, 4, 4, DType::f32});
+    FAIL() << "no error";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.kind(), sa::Error::Kind::value);
+    EXPECT_NE(std::string(e.what()).find("out of shape [3, 4] with row stride 4611686018427387904 spans more memory than the address space"), std::string::npos) << e.what();
+  }
+  try {
+    sa::gather_rows({buf.data(), 0, 4, 4, DType::f32}, sa::ConstMatrix{s.data(), 2, 4, int64_t(1) << 62, DType::f32}, idx.view());
+    FAIL() << "no error";
+  } catch (const sa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("x of shape [2, 4]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(StrategySwitch, OptionsAndSetStrategyForceOne) {
+  EXPECT_STREQ(sa::strategy_name(sa::Strategy::direct), "direct");
+  EXPECT_STREQ(sa::strategy_name(sa::Strategy::automatic), "auto");
+  const sa::Strategy before = sa::get_strategy();
+  for (sa::Strategy s : kStrategies) {
+    sa::set_strategy(s);
+    EXPECT_EQ(sa::get_strategy(), s);
+  }
+  EXPECT_THROW(sa::set_strategy(static_cast<sa::Strategy>(9)), sa::Error);
+  sa::set_strategy(before);
+}
+
+// Run by its own CTest entry with SCATTER_ADD_CPU_STRATEGY=bogus (filtered out elsewhere).
+TEST(StrategyEnv, UnknownNameIsAnErrorNamingTheVariable) {
+  ASSERT_STREQ(std::getenv("SCATTER_ADD_CPU_STRATEGY"), "bogus");
+  std::vector<float> out(4, 0.0f), src(2, 1.0f);
+  const Idx idx = make_idx(IndexType::i32, {0, 1});
+  try {
+    sa::index_add_rows({out.data(), 2, 1, 1, DType::f32}, idx.view(), sa::ConstMatrix{src.data(), 2, 1, 1, DType::f32});
+    FAIL() << "no error";
+  } catch (const sa::Error& e) {
+    EXPECT_EQ(e.kind(), sa::Error::Kind::value);
+    EXPECT_STREQ(e.what(), "index_add_rows: SCATTER_ADD_CPU_STRATEGY='bogus' is not one of auto, direct, count, radix");
+  }
+  EXPECT_EQ(out, std::vector<float>(4, 0.0f));
+}
+
+}  // namespace
