@@ -1,11 +1,17 @@
-// Microbenchmark of the C++ core at MoE combine shapes: out[index[i]] += w[i] * src[i].
-// Prints, per shape, the median ms, GB/s and the percentage of an `a += b` stream ceiling measured
-// in the same run with the same threads. Bytes moved (the floor for a plan that owns each output
-// row):  K*D*s (src read) + 2*R*D*s (each touched out row read and written once) + K*index bytes,
-// with s the element size and R the number of distinct destination rows.
+// Microbenchmark of the C++ core: out[index[i]] += w[i] * src[i].
+// Default: MoE combine shapes; prints, per shape, the median ms, GB/s and the percentage of an
+// `a += b` stream ceiling measured in the same run with the same threads. Bytes moved (the floor
+// for a plan that owns each output row):  K*D*s (src read) + 2*R*D*s (each touched out row read
+// and written once) + K*index bytes, with s the element size and R the number of distinct
+// destination rows.
+// --strategies: shapes from every corner of the sweep (tiny D, N >> K, K >> N, one hot row, MoE),
+// each strategy forced in turn: total us, and for the planned ones the sort and the row walk
+// apart; plus what the cost model estimates and picks (the measurements behind policy.h).
 //   .build/release/benchmarks/bench_scatter_add [--quick] [--threads T] [--n N] [--d D] [--thp]
+//   .build/release/benchmarks/bench_scatter_add --strategies [--threads T]
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +22,7 @@
 #include <sys/mman.h>
 
 #include "scatter_add/scatter_add.h"
+#include "strategy.h"
 
 namespace sa = scatter_add;
 using Clock = std::chrono::steady_clock;
@@ -99,21 +106,106 @@ std::vector<int32_t> make_index(Dist d, int64_t n, int64_t k, std::mt19937_64& r
   return idx;
 }
 
+// Index values for the strategy table: uniform, sorted, power law (zipf ~1.2, ranks scattered),
+// all in one row, MoE top-2 (each row twice, expert-sorted sources).
+std::vector<int32_t> strategy_index(const std::string& dist, int64_t n, int64_t k, std::mt19937_64& rng) {
+  std::vector<int32_t> idx(static_cast<size_t>(k));
+  std::uniform_int_distribution<int64_t> u(0, n - 1);
+  std::uniform_real_distribution<double> x(0.0, 1.0);
+  for (int64_t i = 0; i < k; ++i) {
+    if (dist == "zipf") {
+      const double r = std::pow(1.0 - x(rng), -1.0 / 0.2) - 1.0;
+      const uint64_t rank = r > 1e18 ? 0 : static_cast<uint64_t>(r) % static_cast<uint64_t>(n);
+      idx[i] = static_cast<int32_t>((rank * 2654435761u) % static_cast<uint64_t>(n));
+    } else if (dist == "one") {
+      idx[i] = 0;
+    } else if (dist == "moe") {
+      idx[i] = static_cast<int32_t>(i % n);
+    } else {
+      idx[i] = static_cast<int32_t>(u(rng));
+    }
+  }
+  if (dist == "sorted") std::sort(idx.begin(), idx.end());
+  if (dist == "moe") std::shuffle(idx.begin(), idx.end(), rng);
+  return idx;
+}
+
+void strategy_table(int threads) {
+  struct Shape {
+    int64_t n, k, d;
+    sa::DType dt;
+    const char* dist;
+  };
+  const Shape shapes[] = {
+      {16, 16, 1, sa::DType::f32, "uniform"},          {4096, 4096, 1, sa::DType::f32, "uniform"},
+      {262144, 4096, 1, sa::DType::f32, "uniform"},    {262144, 4096, 8, sa::DType::f32, "uniform"},
+      {262144, 4096, 8, sa::DType::bf16, "uniform"},   {1000000, 100000, 1, sa::DType::f32, "uniform"},
+      {1000000, 100000, 32, sa::DType::f32, "uniform"}, {1000000, 100000, 256, sa::DType::f32, "uniform"},
+      {1000000, 100000, 32, sa::DType::bf16, "uniform"}, {100000, 1000000, 1, sa::DType::f32, "uniform"},
+      {100000, 1000000, 1, sa::DType::bf16, "uniform"}, {1000, 1000000, 2, sa::DType::f32, "sorted"},
+      {100000, 1000000, 64, sa::DType::f32, "zipf"},    {100000, 1000000, 64, sa::DType::bf16, "zipf"},
+      {4096, 65536, 1, sa::DType::f32, "one"},          {4096, 65536, 16, sa::DType::bf16, "one"},
+      {8192, 16384, 2048, sa::DType::bf16, "moe"},      {8192, 16384, 2048, sa::DType::f32, "moe"},
+      {32768, 65536, 128, sa::DType::bf16, "moe"},      {2048, 4096, 4096, sa::DType::bf16, "uniform"},
+  };
+  std::printf("strategies, threads=%d isa=%s: median us per call; plan = the sort alone, walk = the row pass\n",
+              threads, sa::isa_name(sa::active_isa()));
+  std::printf("%8s %8s %5s %-8s %-7s | %9s %9s %9s %9s | %8s %8s %8s | %9s %9s %9s | %s\n", "N", "K", "D",
+              "dtype", "dist", "auto", "direct", "count", "radix", "plan_c", "plan_r", "walk", "est_dir",
+              "est_cnt", "est_rdx", "pick");
+  std::mt19937_64 rng(1);
+  for (const Shape& sh : shapes) {
+    const size_t es = sa::dtype_size(sh.dt);
+    Buffer out(static_cast<size_t>(sh.n * sh.d) * es, false), src(static_cast<size_t>(sh.k * sh.d) * es, false);
+    for (size_t i = 0; i < src.n; i += es) src.p[i + es - 1] = 0x3c;
+    const std::vector<int32_t> idx = strategy_index(sh.dist, sh.n, sh.k, rng);
+    const sa::IndexVector iv{idx.data(), sh.k, sa::IndexType::i32};
+    const sa::Matrix om{out.p, sh.n, sh.d, sh.d, sh.dt};
+    const sa::ConstMatrix sm{src.p, sh.k, sh.d, sh.d, sh.dt};
+    double t[4];
+    for (int s = 0; s < 4; ++s) {
+      sa::Options o;
+      o.num_threads = threads;
+      o.strategy = static_cast<sa::Strategy>(s);
+      t[s] = median_seconds([&] { sa::index_add_rows(om, iv, sm, {}, o); }, 0.2);
+    }
+    sa::Plan plan;
+    const double pc = median_seconds([&] { plan.rebuild(iv, sh.n, std::nullopt, sa::Strategy::count); }, 0.1);
+    const double pr = median_seconds([&] { plan.rebuild(iv, sh.n, std::nullopt, sa::Strategy::radix); }, 0.1);
+    sa::Options o;
+    o.num_threads = threads;
+    const double walk = median_seconds([&] { sa::index_add_rows(om, plan, sm, {}, o); }, 0.2);
+    const sa::cpu::AddShape as{sh.n, sh.k, sh.d, sh.dt};
+    std::printf("%8lld %8lld %5lld %-8s %-7s | %9.1f %9.1f %9.1f %9.1f | %8.1f %8.1f %8.1f | %9.1f %9.1f %9.1f | %s\n",
+                (long long)sh.n, (long long)sh.k, (long long)sh.d, sa::dtype_name(sh.dt), sh.dist, t[0] * 1e6,
+                t[1] * 1e6, t[2] * 1e6, t[3] * 1e6, pc * 1e6, pr * 1e6, walk * 1e6,
+                sa::cpu::estimate_ns(as, sa::Strategy::direct) / 1e3, sa::cpu::estimate_ns(as, sa::Strategy::count) / 1e3,
+                sa::cpu::estimate_ns(as, sa::Strategy::radix) / 1e3,
+                sa::strategy_name(sa::cpu::choose_add(as, sa::Options{})));
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false;
   int threads = sa::get_num_threads();
   int64_t only_n = 0, only_d = 0;
-  bool thp = false;
+  bool thp = false, strategies = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--thp")) thp = true;
     if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) only_n = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--d") && i + 1 < argc) only_d = std::atoll(argv[++i]);
+    if (!std::strcmp(argv[i], "--strategies")) strategies = true;
   }
   sa::set_num_threads(threads);
+  if (strategies) {
+    strategy_table(threads);
+    return 0;
+  }
   StreamCeiling stream;
   std::printf("scatter-add C++ microbenchmark: isa=%s threads=%d, stream ceiling (a += b) %.1f GB/s at start,"
               " re-measured before each row (ceil)\n",

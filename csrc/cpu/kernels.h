@@ -25,11 +25,13 @@ struct RowsJob {
 using AddRowsFn = void (*)(const RowsJob& job, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
 
 // Direct: sources [i0, i1) in order, each added into out[index[i]] when that row is in
-// [row_lo, row_hi) and the index is not ignored. The scratch kernels add into a float32 scratch
-// of the touched rows instead (bf16/fp16 rows that receive several contributions): row r is at
-// slot rank(r) = slot_base[r >> 6] + the number of bits of slot_bits[r >> 6] below bit r & 63,
-// scratch_stride accumulators per slot (1 when the column range has one element, else a whole
-// number of vectors).
+// [row_lo, row_hi) and the index is not ignored. The scratch kernels (bf16/fp16) add into a
+// float32 scratch instead, scratch_stride accumulators per slot (1 when the column range has one
+// element, else whole vectors):
+//   dense (slot_base null): every row r has slot r; slot_bits marks the touched rows
+//   sparse: only the rows whose bit is set in slot_bits (rows with several contributions) have
+//     a slot, slot_base[r >> 6] + the number of bits of slot_bits[r >> 6] below bit r & 63; any
+//     other row is added in place (one contribution, one rounding)
 struct DirectJob {
   void* out;
   int64_t out_stride;
@@ -44,11 +46,12 @@ struct DirectJob {
   int64_t row_lo, row_hi;
   const uint64_t* slot_bits;
   const int64_t* slot_base;
+  bool prefetch;  // prefetch destination rows ahead (out larger than the caches)
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 
-// Scratch of touched rows: load (out -> scratch) or store (scratch -> out, rounding once) the rows
-// whose bit is set in words [w0, w1) of slot_bits; columns [c0, c1) of out at slot column c - c0.
+// The scratch rows: load (out -> scratch) or store (scratch -> out, rounding once) the rows whose
+// bit is set in words [w0, w1) of slot_bits; columns [c0, c1) of out at slot column c - c0.
 using ScratchFn = void (*)(const DirectJob& job, int64_t w0, int64_t w1, int64_t c0, int64_t c1, bool to_out);
 
 // Gather: dst[i] = w[i] * x[index[i]] for i in [i0, i1); ignored rows become zero.

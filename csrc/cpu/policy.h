@@ -53,8 +53,13 @@ struct CpuPolicy {
   // Direct with several threads: split columns when each thread gets at least this many bytes
   // of every row (whole cache lines, and a balanced split whatever the index), rows otherwise.
   static constexpr int64_t kMinColumnShareBytes = 128;
-  // Row split: the index is counted per block of 2^shift rows, at most kMaxBlocks blocks.
+  // The direct walk prefetches destination rows ahead only when out is larger than this (a
+  // cache-resident out gains nothing and the prefetch costs a third of a D = 1 walk).
+  static constexpr int64_t kPrefetchAboveBytes = 1 << 20;
+  // Row split: a sample of kBalanceSamples index entries is counted per block of 2^shift rows
+  // (at most kMaxBlocks blocks) to cut the rows into shares of equal work.
   static constexpr int64_t kMaxBlocks = 4096;
+  static constexpr int64_t kBalanceSamples = 16384;
 };
 
 }  // namespace cpu

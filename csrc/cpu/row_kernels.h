@@ -159,31 +159,62 @@ struct RowKernels {
 
   // ---- direct -------------------------------------------------------------------------------
 
+  // out row o's m columns += wi * s (one contribution, rounded once).
+  template <bool Weighted>
+  static void add_once(T* o, const T* s, A wi, int64_t m) {
+    if (W == 1 || m == 1) {
+      for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
+      return;
+    }
+    const V wk = Ops::set1(wi);
+    int64_t c = 0;
+    for (; c + W <= m; c += W) Ops::store(o + c, step<Weighted>(Ops::load(o + c), Ops::load(s + c), wk));
+    if (c < m)
+      Ops::store_part(o + c, step<Weighted>(Ops::load_part(o + c, m - c), Ops::load_part(s + c, m - c), wk), m - c);
+  }
+
   template <class I, bool Weighted>
   static void add_direct(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const bool one = W == 1 || c1 - c0 == 1;
+    if (j.prefetch) {
+      if (one)
+        add_direct_loop<I, Weighted, true, true>(j, i0, i1, c0, c1);
+      else
+        add_direct_loop<I, Weighted, true, false>(j, i0, i1, c0, c1);
+    } else {
+      if (one)
+        add_direct_loop<I, Weighted, false, true>(j, i0, i1, c0, c1);
+      else
+        add_direct_loop<I, Weighted, false, false>(j, i0, i1, c0, c1);
+    }
+  }
+  // Scalar: the scalar level, or a single column (the per-element loop, no vector set-up).
+  template <class I, bool Weighted, bool Prefetch, bool Scalar>
+  static void add_direct_loop(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
     const I* idx = static_cast<const I*>(j.index);
     T* out = static_cast<T*>(j.out) + c0;
     const T* src = static_cast<const T*>(j.src) + c0;
     const A* w = static_cast<const A*>(j.w);
-    const int64_t m = c1 - c0;
-    const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T);
+    const int64_t m = c1 - c0, os = j.out_stride, ss = j.src_stride;
+    const uint64_t ob = static_cast<uint64_t>(os) * sizeof(T);
+    // Rows outside [lo, hi) (another thread's) and ignored entries are skipped with one unsigned
+    // compare: an ignore_index outside [lo, hi) needs no test of its own.
+    const uint64_t lo = static_cast<uint64_t>(j.row_lo), span = static_cast<uint64_t>(j.row_hi - j.row_lo);
+    const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(j.ignore) - lo < span;
+    const int64_t ign = j.ignore;
+    const int64_t pf_end = i1 - kPrefetchAhead;
     for (int64_t i = i0; i < i1; ++i) {
-      if (i + kPrefetchAhead < i1) prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
+      if (Prefetch && i < pf_end) prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
       const int64_t r = static_cast<int64_t>(idx[i]);
-      if ((j.has_ignore && r == j.ignore) || r < j.row_lo || r >= j.row_hi) continue;
-      T* o = out + r * j.out_stride;
-      const T* s = src + i * j.src_stride;
+      if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == ign)) continue;
+      T* o = out + r * os;
+      const T* s = src + i * ss;
       const A wi = Weighted ? w[i] : A(1);
-      if (W == 1 || m == 1) {
+      if (Scalar) {
         for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
-        continue;
+      } else {
+        add_once<Weighted>(o, s, wi, m);
       }
-      const V wk = Ops::set1(wi);
-      int64_t c = 0;
-      for (; c + W <= m; c += W) Ops::store(o + c, step<Weighted>(Ops::load(o + c), Ops::load(s + c), wk));
-      if (c < m)
-        Ops::store_part(o + c, step<Weighted>(Ops::load_part(o + c, m - c), Ops::load_part(s + c, m - c), wk),
-                        m - c);
     }
   }
 
@@ -194,17 +225,35 @@ struct RowKernels {
 
   template <class I, bool Weighted>
   static void scratch_add(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    if (j.slot_base == nullptr)
+      scratch_add_loop<I, Weighted, true>(j, i0, i1, c0, c1);
+    else
+      scratch_add_loop<I, Weighted, false>(j, i0, i1, c0, c1);
+  }
+  // Dense: every row has a scratch slot, slot = row. Otherwise only the rows in slot_bits do.
+  template <class I, bool Weighted, bool Dense>
+  static void scratch_add_loop(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
     const I* idx = static_cast<const I*>(j.index);
+    T* out = static_cast<T*>(j.out) + c0;
     A* acc = static_cast<A*>(j.scratch);
     const T* src = static_cast<const T*>(j.src) + c0;
     const A* w = static_cast<const A*>(j.w);
     const int64_t m = c1 - c0;
+    const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T);
+    const uint64_t lo = static_cast<uint64_t>(j.row_lo), span = static_cast<uint64_t>(j.row_hi - j.row_lo);
+    const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(j.ignore) - lo < span;
     for (int64_t i = i0; i < i1; ++i) {
+      if (!Dense && j.prefetch && i + kPrefetchAhead < i1)
+        prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
       const int64_t r = static_cast<int64_t>(idx[i]);
-      if ((j.has_ignore && r == j.ignore) || r < j.row_lo || r >= j.row_hi) continue;
-      A* o = acc + slot_of(j, r) * j.scratch_stride;
+      if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == j.ignore)) continue;
       const T* s = src + i * j.src_stride;
       const A wi = Weighted ? w[i] : A(1);
+      if (!Dense && !((j.slot_bits[r >> 6] >> (r & 63)) & 1)) {  // the row's only contribution
+        add_once<Weighted>(out + r * j.out_stride, s, wi, m);
+        continue;
+      }
+      A* o = acc + (Dense ? r : slot_of(j, r)) * j.scratch_stride;
       if (W == 1 || m == 1) {
         for (int64_t c = 0; c < m; ++c) o[c] = step1<Weighted>(o[c], E::get(s[c]), wi);
         continue;
@@ -222,10 +271,11 @@ struct RowKernels {
     const int64_t m = c1 - c0;
     for (int64_t wd = w0; wd < w1; ++wd) {
       uint64_t bits = j.slot_bits[wd];
-      int64_t slot = j.slot_base[wd];
+      int64_t slot = j.slot_base != nullptr ? j.slot_base[wd] : 0;
       for (; bits != 0; bits &= bits - 1, ++slot) {
-        T* o = out + (wd * 64 + __builtin_ctzll(bits)) * j.out_stride;
-        A* a = acc + slot * j.scratch_stride;
+        const int64_t row = wd * 64 + __builtin_ctzll(bits);
+        T* o = out + row * j.out_stride;
+        A* a = acc + (j.slot_base != nullptr ? slot : row) * j.scratch_stride;
         if (W == 1 || m == 1) {
           for (int64_t c = 0; c < m; ++c) {
             if (to_out)

@@ -1,9 +1,10 @@
 // Strategy "direct": no sort. Sources are walked in increasing order and each is added into its
 // destination row, so every row sees its contributions in source order.
 //   float32/float64: the row itself is the accumulator (acc type == storage type).
-//   bf16/fp16: when no row repeats, the same (one contribution, one rounding); when rows repeat,
-//     the touched rows are copied into a float32 scratch (rank of a bitmap of the N rows gives
-//     each its slot), summed there and rounded once on the way back.
+//   bf16/fp16: rows are summed in a float32 scratch and rounded once on the way back. When
+//     N <= K every row gets a slot; otherwise only the rows with several contributions do (the
+//     rank of a bitmap of the N rows gives each its slot) and the others are added in place
+//     (one contribution, one rounding).
 // Threads: each thread owns a range of columns of every row (when rows are wide enough for whole
 // cache lines per thread) or a range of rows, cut where the index's per-block counts balance the
 // work; either way each output element has one owner and one summation order.
@@ -45,10 +46,29 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   const bool split_rows = nt > 1 && !split_columns;
   const int shift = block_shift_for(n);
 
-  std::vector<uint64_t> bits(narrow ? static_cast<size_t>((n + 63) / 64) : 0);
+  // bf16/fp16: a float32 scratch. Dense (a slot per row, n <= k: every slot pays for itself)
+  // needs the touched rows (seen); sparse needs the rows that repeat (bits), and has nothing to do
+  // when none does.
+  const bool dense = narrow && n <= k;
+  std::vector<uint64_t> seen(narrow ? static_cast<size_t>((n + 63) / 64) : 0), bits(narrow && !dense ? seen.size() : 0);
+  const IndexScan scan = scan_index(index, n, o.ignore_index, narrow ? seen.data() : nullptr,
+                                    narrow && !dense ? bits.data() : nullptr);
+  // Row split: entries per block of rows, from a sample of the index (a split never changes the
+  // bits, only who computes which rows, so an estimate of the balance is enough).
   std::vector<int64_t> blocks(split_rows ? static_cast<size_t>((n >> shift) + 1) : 0);
-  const IndexScan scan = scan_index(index, n, o.ignore_index, narrow ? bits.data() : nullptr,
-                                    split_rows ? blocks.data() : nullptr, shift);
+  if (split_rows) {
+    const int64_t step = std::max<int64_t>(1, k / CpuPolicy::kBalanceSamples);
+    auto sample = [&](const auto* idx) {
+      for (int64_t i = 0; i < k; i += step) {
+        const int64_t r = static_cast<int64_t>(idx[i]);
+        if (r >= 0 && r < n) ++blocks[static_cast<size_t>(r >> shift)];
+      }
+    };
+    if (i64)
+      sample(static_cast<const int64_t*>(index.data));
+    else
+      sample(static_cast<const int32_t*>(index.data));
+  }
   if (d == 0 || scan.kept == 0) return;
 
   DirectJob job{};
@@ -62,28 +82,32 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   job.ignore = job.has_ignore ? *o.ignore_index : 0;
   job.row_lo = 0;
   job.row_hi = n;
+  job.prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
+                 static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
 
-  // The float32 scratch when a bf16/fp16 row repeats.
-  const bool scratch = narrow && scan.duplicates;
+  const bool scratch = dense || (narrow && scan.repeated > 0);
   std::vector<int64_t> slot_base;
   std::vector<float> acc;
   if (scratch) {
-    slot_base.resize(bits.size());
-    int64_t s = 0;
-    for (size_t i = 0; i < bits.size(); ++i) {
-      slot_base[i] = s;
-      s += __builtin_popcountll(bits[i]);
+    int64_t slots = n;
+    if (!dense) {
+      slot_base.resize(bits.size());
+      slots = 0;
+      for (size_t i = 0; i < bits.size(); ++i) {
+        slot_base[i] = slots;
+        slots += __builtin_popcountll(bits[i]);
+      }
     }
     job.scratch_stride = d == 1 ? 1 : (d + 15) / 16 * 16;  // whole vectors of any level
-    acc.resize(static_cast<size_t>(s * job.scratch_stride));
+    acc.resize(static_cast<size_t>(slots * job.scratch_stride));
     job.scratch = acc.data();
-    job.slot_bits = bits.data();
-    job.slot_base = slot_base.data();
+    job.slot_bits = dense ? seen.data() : bits.data();
+    job.slot_base = dense ? nullptr : slot_base.data();
   }
   const KernelTable& kt = active_kernels();
   const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
   const ScratchFn copy = scratch ? kt.scratch_copy[di] : nullptr;
-  const int64_t words = static_cast<int64_t>(bits.size());
+  const int64_t words = static_cast<int64_t>(seen.size());
 
   // Row split: block boundaries at equal shares of the kept entries (plus one per block, so that
   // an index concentrated in few blocks still spreads the rows).

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 namespace scatter_add {
 
@@ -130,20 +131,30 @@ template <class I>
 
 template <class I>
 cpu::IndexScan scan(const I* idx, int64_t k, int64_t n, std::optional<int64_t> ignore,
-                    uint64_t* bits, int64_t* block_counts, int shift) {
+                    uint64_t* seen, uint64_t* repeated, int64_t* block_counts, int shift) {
   cpu::IndexScan s;
   const bool has_ignore = ignore.has_value();
   const int64_t ign = has_ignore ? *ignore : 0;
   const uint64_t un = static_cast<uint64_t>(n);
   int64_t ignored = 0;
-  if (bits == nullptr && block_counts == nullptr) {
-    // The common case: a branch-free pass the compiler vectorises.
-    bool bad = false;
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t v = static_cast<int64_t>(idx[i]);
-      const bool is_ignored = has_ignore && v == ign;
-      ignored += is_ignored;
-      bad |= !is_ignored && static_cast<uint64_t>(v) >= un;
+  if (seen == nullptr && block_counts == nullptr) {
+    // The common case: branch-free passes the compiler vectorises, in the index's own width
+    // (values must lie in [0, min(n, I's max]): one unsigned compare catches negatives too).
+    using U = std::make_unsigned_t<I>;
+    const U lim = static_cast<uint64_t>(n) > static_cast<uint64_t>(std::numeric_limits<I>::max())
+                      ? static_cast<U>(static_cast<U>(std::numeric_limits<I>::max()) + 1)
+                      : static_cast<U>(n);
+    const bool ign_fits = has_ignore && ign >= std::numeric_limits<I>::min() && ign <= std::numeric_limits<I>::max();
+    unsigned bad = 0;
+    if (!ign_fits) {
+      for (int64_t i = 0; i < k; ++i) bad |= static_cast<U>(idx[i]) >= lim;
+    } else {
+      const I g = static_cast<I>(ign);
+      for (int64_t i = 0; i < k; ++i) {
+        const bool is_ignored = idx[i] == g;
+        ignored += is_ignored;
+        bad |= (static_cast<U>(idx[i]) >= lim) & !is_ignored;
+      }
     }
     if (bad) throw_bad_index(idx, k, n, ignore);
     s.kept = k - ignored;
@@ -156,16 +167,17 @@ cpu::IndexScan scan(const I* idx, int64_t k, int64_t n, std::optional<int64_t> i
       continue;
     }
     if (static_cast<uint64_t>(v) >= un) throw_bad_index(idx, k, n, ignore);
-    if (bits != nullptr) {
-      uint64_t& word = bits[v >> 6];
+    if (seen != nullptr) {
+      uint64_t& word = seen[v >> 6];
       const uint64_t m = uint64_t(1) << (v & 63);
-      s.duplicates |= (word & m) != 0;
-      s.distinct += (word & m) == 0;
+      if (repeated != nullptr && (word & m)) repeated[v >> 6] |= m;
       word |= m;
     }
     if (block_counts != nullptr) ++block_counts[v >> shift];
   }
   s.kept = k - ignored;
+  if (repeated != nullptr)
+    for (int64_t w = 0; w < (n + 63) / 64; ++w) s.repeated += __builtin_popcountll(repeated[w]);
   return s;
 }
 
@@ -264,12 +276,12 @@ void check_plan(const char* op, const Plan& plan, int64_t n, const char* n_name,
 }
 
 IndexScan scan_index(const IndexVector& index, int64_t n, std::optional<int64_t> ignore,
-                     uint64_t* bits, int64_t* block_counts, int block_shift) {
+                     uint64_t* seen, uint64_t* repeated, int64_t* block_counts, int block_shift) {
   if (index.type == IndexType::i32)
-    return scan(static_cast<const int32_t*>(index.data), index.size, n, ignore, bits, block_counts,
-                block_shift);
-  return scan(static_cast<const int64_t*>(index.data), index.size, n, ignore, bits, block_counts,
-              block_shift);
+    return scan(static_cast<const int32_t*>(index.data), index.size, n, ignore, seen, repeated,
+                block_counts, block_shift);
+  return scan(static_cast<const int64_t*>(index.data), index.size, n, ignore, seen, repeated,
+              block_counts, block_shift);
 }
 
 }  // namespace cpu

@@ -32,16 +32,15 @@ size_t index_bytes(const IndexVector& index);
 
 // What one pass over the index values learns; bad values throw Error(index) naming the first.
 struct IndexScan {
-  int64_t kept = 0;          // entries not equal to ignore_index
-  bool duplicates = false;   // some row appears twice (only when `bits` was given)
-  int64_t distinct = 0;      // distinct rows (only when `bits` was given)
+  int64_t kept = 0;      // entries not equal to ignore_index
+  int64_t repeated = 0;  // rows that appear more than once (only when `seen` was given)
 };
-// Validates every value against [0, n) (ignore excepted). With `bits` (n bits, zeroed by the
-// caller), also marks each kept row and finds duplicates; with `block_counts` (zeroed, n >>
-// block_shift + 1 entries), counts kept entries per block of 2^block_shift rows.
+// Validates every value against [0, n) (ignore excepted). With `seen` (n bits, zeroed by the
+// caller), also marks each kept row; with `repeated` too, each row met a second time; with `block_counts` (zeroed, (n >> block_shift) + 1 entries), counts kept
+// entries per block of 2^block_shift rows.
 IndexScan scan_index(const IndexVector& index, int64_t n, std::optional<int64_t> ignore,
-                     uint64_t* bits = nullptr, int64_t* block_counts = nullptr,
-                     int block_shift = 0);
+                     uint64_t* seen = nullptr, uint64_t* repeated = nullptr,
+                     int64_t* block_counts = nullptr, int block_shift = 0);
 
 }  // namespace cpu
 }  // namespace scatter_add
