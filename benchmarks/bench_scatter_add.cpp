@@ -6,9 +6,15 @@
 // destination rows.
 // --strategies: shapes from every corner of the sweep (tiny D, N >> K, K >> N, one hot row, MoE),
 // each strategy forced in turn: total us, and for the planned ones the sort and the row walk
-// apart; plus what the cost model estimates and picks (the measurements behind policy.h).
+// apart; plus what the cost model estimates and picks.
+// --calibrate: one thread, thread CPU time (robust to a loaded machine), every strategy over a
+// grid of D x N/K x dtype x index distribution; prints, per shape, each strategy's time, the best,
+// the cost model's pick and how much slower the pick is than the best (the measurements behind
+// policy.h), then the worst picks.
 //   .build/release/benchmarks/bench_scatter_add [--quick] [--threads T] [--n N] [--d D] [--thp]
 //   .build/release/benchmarks/bench_scatter_add --strategies [--threads T]
+//   .build/release/benchmarks/bench_scatter_add --calibrate [FILE.csv]    (measure; save)
+//   .build/release/benchmarks/bench_scatter_add --evaluate FILE.csv      (re-score the cost model)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -20,6 +26,7 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <time.h>
 
 #include "scatter_add/scatter_add.h"
 #include "strategy.h"
@@ -186,6 +193,121 @@ void strategy_table(int threads) {
   }
 }
 
+double thread_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// Least thread CPU time of a few calls after a warm-up (at least 3, more while under 50 ms).
+template <class F>
+double cpu_best(F&& f) {
+  f();
+  double best = 1e30, spent = 0;
+  for (int i = 0; i < 3 || (spent < 0.05 && i < 20); ++i) {
+    const double t0 = thread_seconds();
+    f();
+    const double t = thread_seconds() - t0;
+    best = std::min(best, t);
+    spent += t;
+  }
+  return best;
+}
+
+// One calibration measurement: a shape and each strategy's best thread CPU seconds.
+struct CalRow {
+  std::string dtype, dist;
+  int64_t n, k, d;
+  double t[4];  // [1..3]: direct, count, radix
+};
+
+// Prints each shape's times, the best strategy, the cost model's pick and its regret (pick / best),
+// then the geometric mean and the worst picks.
+void report_regret(const std::vector<CalRow>& rows) {
+  std::printf("%-8s %-7s %8s %8s %5s | %10s %10s %10s | %-6s %-6s %6s\n", "dtype", "dist", "N", "K", "D",
+              "direct", "count", "radix", "best", "pick", "regret");
+  std::vector<std::pair<double, std::string>> lines;
+  double lg = 0;
+  for (const CalRow& r : rows) {
+    const sa::DType dt = r.dtype == "bfloat16" ? sa::DType::bf16 : sa::DType::f32;
+    const int best = static_cast<int>(std::min_element(r.t + 1, r.t + 4) - r.t);
+    const sa::Strategy pick = sa::cpu::choose_add({r.n, r.k, r.d, dt}, sa::Options{});
+    const double regret = r.t[static_cast<int>(pick)] / r.t[best];
+    char line[256];
+    std::snprintf(line, sizeof line, "%-8s %-7s %8lld %8lld %5lld | %10.1f %10.1f %10.1f | %-6s %-6s %5.2fx",
+                  r.dtype.c_str(), r.dist.c_str(), (long long)r.n, (long long)r.k, (long long)r.d, r.t[1] * 1e6,
+                  r.t[2] * 1e6, r.t[3] * 1e6, sa::strategy_name(static_cast<sa::Strategy>(best)),
+                  sa::strategy_name(pick), regret);
+    std::printf("%s\n", line);
+    lines.emplace_back(regret, line);
+    lg += std::log(regret);
+  }
+  std::sort(lines.begin(), lines.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::printf("\nregret of the cost model's pick: geometric mean %.3fx over %zu shapes; worst:\n",
+              std::exp(lg / static_cast<double>(rows.size())), rows.size());
+  for (size_t i = 0; i < lines.size() && i < 12; ++i) std::printf("%s\n", lines[i].second.c_str());
+}
+
+// Measures every strategy over the grid (one thread, thread CPU time); writes `csv` if given.
+void calibrate(const char* csv) {
+  sa::set_num_threads(1);
+  std::printf("calibration: 1 thread, thread CPU time, isa=%s, us per call; 'regret' = pick / best\n",
+              sa::isa_name(sa::active_isa()));
+  const int64_t max_bytes = int64_t(16) << 20;
+  std::mt19937_64 rng(3);
+  std::vector<CalRow> rows;
+  for (sa::DType dt : {sa::DType::f32, sa::DType::bf16})
+    for (int64_t d : {1, 4, 16, 64, 256, 1024, 4096})
+      for (double ratio : {0.01, 0.1, 1.0, 10.0, 100.0})
+        for (const char* dist : {"uniform", "zipf"}) {
+          const int64_t big = std::max<int64_t>(1, std::min<int64_t>(1000000, max_bytes / (4 * d)));
+          const int64_t n = ratio >= 1 ? big : std::max<int64_t>(1, static_cast<int64_t>(big * ratio));
+          const int64_t k = ratio >= 1 ? std::max<int64_t>(1, static_cast<int64_t>(big / ratio)) : big;
+          const size_t es = sa::dtype_size(dt);
+          Buffer out(static_cast<size_t>(n * d) * es, false), src(static_cast<size_t>(k * d) * es, false);
+          for (size_t i = 0; i < src.n; i += es) src.p[i + es - 1] = 0x3a;
+          const std::vector<int32_t> idx = strategy_index(dist, n, k, rng);
+          const sa::IndexVector iv{idx.data(), k, sa::IndexType::i32};
+          const sa::Matrix om{out.p, n, d, d, dt};
+          const sa::ConstMatrix sm{src.p, k, d, d, dt};
+          CalRow row{sa::dtype_name(dt), dist, n, k, d, {0, 0, 0, 0}};
+          for (int s = 1; s < 4; ++s) {
+            sa::Options o;
+            o.num_threads = 1;
+            o.strategy = static_cast<sa::Strategy>(s);
+            row.t[s] = cpu_best([&] { sa::index_add_rows(om, iv, sm, {}, o); });
+          }
+          rows.push_back(row);
+          std::fprintf(stderr, "\r%zu/140 shapes", rows.size());
+        }
+  std::fprintf(stderr, "\n");
+  if (csv != nullptr) {
+    FILE* f = std::fopen(csv, "w");
+    for (const CalRow& r : rows)
+      std::fprintf(f, "%s,%s,%lld,%lld,%lld,%.9g,%.9g,%.9g\n", r.dtype.c_str(), r.dist.c_str(), (long long)r.n,
+                   (long long)r.k, (long long)r.d, r.t[1], r.t[2], r.t[3]);
+    std::fclose(f);
+  }
+  report_regret(rows);
+}
+
+// Re-scores a saved calibration against the cost model as built now.
+void evaluate(const char* csv) {
+  std::vector<CalRow> rows;
+  FILE* f = std::fopen(csv, "r");
+  if (f == nullptr) {
+    std::fprintf(stderr, "cannot read %s\n", csv);
+    return;
+  }
+  char dt[32], dist[32];
+  long long n, k, d;
+  double a, b, c;
+  while (std::fscanf(f, "%31[^,],%31[^,],%lld,%lld,%lld,%lf,%lf,%lf\n", dt, dist, &n, &k, &d, &a, &b, &c) == 8)
+    rows.push_back({dt, dist, n, k, d, {0, a, b, c}});
+  std::fclose(f);
+  report_regret(rows);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -200,6 +322,14 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) only_n = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--d") && i + 1 < argc) only_d = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--strategies")) strategies = true;
+    if (!std::strcmp(argv[i], "--calibrate")) {
+      calibrate(i + 1 < argc ? argv[i + 1] : nullptr);
+      return 0;
+    }
+    if (!std::strcmp(argv[i], "--evaluate") && i + 1 < argc) {
+      evaluate(argv[i + 1]);
+      return 0;
+    }
   }
   sa::set_num_threads(threads);
   if (strategies) {

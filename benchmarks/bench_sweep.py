@@ -102,6 +102,9 @@ def cells(quick):
     return out
 
 
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time (one thread, robust to a loaded machine)
+
+
 def interleaved(fns, rounds, budget, peers_from=1):
     """Median seconds of each fn, timed round-robin (one batch each per round) so that drift and
     neighbours' load hit every contender alike; batches adapt to short functions. After the first
@@ -109,10 +112,10 @@ def interleaved(fns, rounds, budget, peers_from=1):
     (it cannot be the best path; its first-round time is kept)."""
     for f in fns:
         f()
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for f in fns:
         f()
-    one = (time.perf_counter() - t0) / len(fns)
+    one = (CLOCK() - t0) / len(fns)
     inner = max(1, int(2e-4 / max(one, 1e-7)))  # batch calls under 0.2 ms
     times = [[] for _ in fns]
     active = list(range(len(fns)))
@@ -120,10 +123,10 @@ def interleaved(fns, rounds, budget, peers_from=1):
     r = 0
     while r < 3 or (r < rounds and time.perf_counter() - start < budget):
         for i in active:
-            t = time.perf_counter()
+            t = CLOCK()
             for _ in range(inner):
                 fns[i]()
-            times[i].append((time.perf_counter() - t) / inner)
+            times[i].append((CLOCK() - t) / inner)
         if r == 0 and len(fns) - peers_from > 1:
             best = min(times[i][0] for i in range(peers_from, len(fns)))
             active = [i for i in active if i < peers_from or times[i][0] <= 2.5 * best]
@@ -216,18 +219,24 @@ def heatmap(results, path, title):
 
 
 def main():
-    global MAX_BYTES
+    global MAX_BYTES, CLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few cells (make test runs it)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--budget", type=float, default=0.05, help="seconds of timing per cell and path group")
     ap.add_argument("--max-mb", type=int, default=16, help="largest operand of a cell, MiB of float32")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="one thread everywhere, timed in thread CPU time: a fair per-core comparison "
+                         "that a loaded machine does not distort (not the default: users run threads)")
     ap.add_argument("--rerun-below", type=float, default=1.0 + NOISE,
                     help="cells under this speedup are timed again (three times) and the best kept")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     MAX_BYTES = args.max_mb << 20
+    if args.cpu_time:
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     partial = (out_dir / "sweep_cells.jsonl").open("w")  # every cell as it is measured
@@ -238,7 +247,8 @@ def main():
     grid = cells(args.quick)
     total = 2 * len(grid)
     print(f"shape sweep: {total} cells, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"stream ceiling {ceiling:.1f} GB/s" + (" (quick subset)" if args.quick else ""))
+          f"stream ceiling {ceiling:.1f} GB/s" + (" (quick subset)" if args.quick else "") +
+          (", thread CPU time" if args.cpu_time else ""))
     results = []
     for i, (n, k, d, dist) in enumerate(grid):
         for dtype in (torch.float32, torch.bfloat16):

@@ -26,8 +26,7 @@ using AddRowsFn = void (*)(const RowsJob& job, int64_t r0, int64_t r1, int64_t c
 
 // Direct: sources [i0, i1) in order, each added into out[index[i]] when that row is in
 // [row_lo, row_hi) and the index is not ignored. The scratch kernels (bf16/fp16) add into a
-// float32 scratch instead, scratch_stride accumulators per slot (1 when the column range has one
-// element, else whole vectors):
+// float32 scratch instead, scratch_stride accumulators per slot:
 //   dense (slot_base null): every row r has slot r; slot_bits marks the touched rows
 //   sparse: only the rows whose bit is set in slot_bits (rows with several contributions) have
 //     a slot, slot_base[r >> 6] + the number of bits of slot_bits[r >> 6] below bit r & 63; any
@@ -46,13 +45,16 @@ struct DirectJob {
   int64_t row_lo, row_hi;
   const uint64_t* slot_bits;
   const int64_t* slot_base;
-  bool prefetch;  // prefetch destination rows ahead (out larger than the caches)
+  bool prefetch;       // prefetch destination rows ahead (out larger than the caches)
+  uint64_t* mark_rows;  // dense: the add marks each row it touches here (null: slot_bits is set)
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 
 // The scratch rows: load (out -> scratch) or store (scratch -> out, rounding once) the rows whose
-// bit is set in words [w0, w1) of slot_bits; columns [c0, c1) of out at slot column c - c0.
-using ScratchFn = void (*)(const DirectJob& job, int64_t w0, int64_t w1, int64_t c0, int64_t c1, bool to_out);
+// bit is set in words [w0, w1) of `rows` (null: every row in [row_lo, row_hi)); columns
+// [c0, c1) of out at slot column c - c0.
+using ScratchFn = void (*)(const DirectJob& job, const uint64_t* rows, int64_t w0, int64_t w1, int64_t c0,
+                           int64_t c1, bool to_out);
 
 // Gather: dst[i] = w[i] * x[index[i]] for i in [i0, i1); ignored rows become zero.
 struct GatherJob {
@@ -73,6 +75,7 @@ using ScaleRowFn = void (*)(void* dst_row, const void* x_row, double w, int64_t 
 struct KernelTable {
   AddRowsFn rows[4][2];          // [DType][weighted]
   AddDirectFn direct[4][2][2];   // [DType][weighted][index is int64]
+  AddDirectFn runs[4][2][2];     // a sorted index: runs summed in registers
   AddDirectFn scratch_add[4][2][2];  // bf16/f16 only: direct into the float32 scratch
   ScratchFn scratch_copy[4];     // bf16/f16 only
   GatherFn gather[4][2][2];      // [DType][weighted][index is int64]

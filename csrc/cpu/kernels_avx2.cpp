@@ -30,6 +30,8 @@ struct Avx2F32 {
   static vec set1(float a) { return _mm256_set1_ps(a); }
   static vec load_acc(const float* p) { return _mm256_loadu_ps(p); }
   static void store_acc(float* p, vec v) { _mm256_storeu_ps(p, v); }
+  static vec load_acc_part(const float* p, int64_t m) { return _mm256_maskload_ps(p, mask32(m)); }
+  static void store_acc_part(float* p, vec v, int64_t m) { _mm256_maskstore_ps(p, mask32(m), v); }
 };
 
 struct Avx2F64 {
@@ -48,6 +50,8 @@ struct Avx2F64 {
   static vec set1(double a) { return _mm256_set1_pd(a); }
   static vec load_acc(const double* p) { return _mm256_loadu_pd(p); }
   static void store_acc(double* p, vec v) { _mm256_storeu_pd(p, v); }
+  static vec load_acc_part(const double* p, int64_t m) { return _mm256_maskload_pd(p, mask64(m)); }
+  static void store_acc_part(double* p, vec v, int64_t m) { _mm256_maskstore_pd(p, mask64(m), v); }
 };
 
 struct Avx2BF16 : Avx2F32 {

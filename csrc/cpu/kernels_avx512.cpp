@@ -35,6 +35,8 @@ struct Avx512F32 {
   static vec set1(float a) { return _mm512_set1_ps(a); }
   static vec load_acc(const float* p) { return _mm512_loadu_ps(p); }
   static void store_acc(float* p, vec v) { _mm512_storeu_ps(p, v); }
+  static vec load_acc_part(const float* p, int64_t m) { return _mm512_maskz_loadu_ps(mask16(m), p); }
+  static void store_acc_part(float* p, vec v, int64_t m) { _mm512_mask_storeu_ps(p, mask16(m), v); }
 };
 
 struct Avx512F64 {
@@ -53,6 +55,8 @@ struct Avx512F64 {
   static vec set1(double a) { return _mm512_set1_pd(a); }
   static vec load_acc(const double* p) { return _mm512_loadu_pd(p); }
   static void store_acc(double* p, vec v) { _mm512_storeu_pd(p, v); }
+  static vec load_acc_part(const double* p, int64_t m) { return _mm512_maskz_loadu_pd(mask8(m), p); }
+  static void store_acc_part(double* p, vec v, int64_t m) { _mm512_mask_storeu_pd(p, mask8(m), v); }
 };
 
 // float32 -> bf16 in integer arithmetic: round to nearest even, subnormals kept, NaN -> 0x7FC0

@@ -27,6 +27,8 @@ struct ScalarOps {
   static vec set1(Acc a) { return a; }
   static vec load_acc(const Acc* p) { return *p; }
   static void store_acc(Acc* p, vec v) { *p = v; }
+  static vec load_acc_part(const Acc* p, int64_t) { return *p; }
+  static void store_acc_part(Acc* p, vec v, int64_t) { *p = v; }
 };
 
 }  // namespace

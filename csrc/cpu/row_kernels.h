@@ -5,11 +5,13 @@
 //   elem     scalar conversions: elem::get(storage) -> acc, elem::put(acc) -> storage (RNE)
 //   load(const storage*) -> vec, store(storage*, vec), load_part/store_part(p, [v,] m) for the
 //   first m < width elements, add(vec, vec), mul(vec, vec), fmadd(a, b, c) = a*b + c with one
-//   rounding, set1(acc) -> vec, load_acc(const acc*) / store_acc(acc*, vec) on accumulators.
+//   rounding, set1(acc) -> vec, load_acc(const acc*) / store_acc(acc*, vec) on accumulators and
+//   their _part forms for the first m < width.
 // Every path performs the same operations per element (see kernels.h), so every ISA level, kernel
 // and split gives the same bits. Internal linkage on purpose (see convert.h).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +30,12 @@ inline void prefetch_at(const void* base, uint64_t row, uint64_t row_bytes, int 
   else
     __builtin_prefetch(reinterpret_cast<const void*>(p), 0);
 }
+
+// Sources first, first + 1, ... (a run of a sorted index), indexed like the plan's source array.
+struct Consecutive {
+  int64_t first;
+  int64_t operator[](int64_t k) const { return first + k; }
+};
 
 template <class Ops>
 struct RowKernels {
@@ -58,10 +66,11 @@ struct RowKernels {
 
   // ---- planned rows -------------------------------------------------------------------------
 
-  // One out row's columns [c0, c1) += its n contributions ids[0..n) in order. `ahead` entries of
-  // ids are readable (the rest of the plan), for prefetching the next rows' sources.
-  template <bool Weighted>
-  static void add_row(T* out, const T* src, int64_t stride, const int64_t* ids, int64_t n,
+  // One out row's columns [c0, c1) += its n contributions ids[0..n) in order (ids: the plan's
+  // source array, or Consecutive sources). `ahead` entries of ids are readable (the rest of the
+  // plan), for prefetching the next rows' sources.
+  template <bool Weighted, class Ids>
+  static void add_row(T* out, const T* src, int64_t stride, Ids ids, int64_t n,
                       int64_t ahead, const A* w, int64_t c0, int64_t c1) {
     if (n > kManyContributions && c1 - c0 >= kBufferCols) {
       add_row_buffered<Weighted>(out, src, stride, ids, n, w, c0, c1);
@@ -118,8 +127,8 @@ struct RowKernels {
   // Rows with many contributions (hot rows): keep a column chunk's running sums in an L1 buffer
   // and stream each source row's chunk contiguously, instead of striding across all source rows
   // once per register block. Same operations in the same order, so the same bits.
-  template <bool Weighted>
-  static void add_row_buffered(T* out, const T* src, int64_t stride, const int64_t* ids, int64_t n,
+  template <bool Weighted, class Ids>
+  static void add_row_buffered(T* out, const T* src, int64_t stride, Ids ids, int64_t n,
                                const A* w, int64_t c0, int64_t c1) {
     alignas(64) A buf[kBufferCols];
     for (int64_t cb = c0; cb < c1; cb += kBufferCols) {
@@ -218,6 +227,61 @@ struct RowKernels {
     }
   }
 
+  // A sorted index: each row's contributions form one run of consecutive sources, summed like a
+  // planned row (loaded once, accumulated in registers, rounded once) with no plan. Sources
+  // [i0, i1) must start and end on run boundaries.
+  template <class I, bool Weighted>
+  static void add_runs(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const I* idx = static_cast<const I*>(j.index);
+    T* out = static_cast<T*>(j.out);
+    const T* src = static_cast<const T*>(j.src);
+    const A* w = static_cast<const A*>(j.w);
+    const int64_t m = c1 - c0, os = j.out_stride, ss = j.src_stride;
+    const bool has_ignore = j.has_ignore;
+    const int64_t ign = j.ignore;
+    if (W == 1 || m == 1) {
+      // One column at a time, without a branch per run (short runs of a random length would
+      // mispredict): the running sum restarts from out where the row changes and is stored
+      // after every contribution; a row is never read again once its run is over, so its last
+      // store, rounded once from the whole run's sum, is what stays. Inside a run the load reads
+      // a dummy instead of the row just stored, so the sum's chain stays in registers.
+      const T dummy{};
+      for (int64_t c = c0; c < c1; ++c) {
+        A acc = 0;
+        int64_t prev = -1;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = static_cast<int64_t>(idx[i]);
+          if (has_ignore && r == ign) continue;
+          T* o = out + r * os + c;
+          const bool fresh = r != prev;
+          const A start = E::get(*(fresh ? o : &dummy));
+          acc = fresh ? start : acc;
+          acc = step1<Weighted>(acc, E::get(src[i * ss + c]), Weighted ? w[i] : A(1));
+          *o = E::put(acc);
+          prev = r;
+        }
+      }
+      return;
+    }
+    for (int64_t i = i0; i < i1;) {
+      const I r = idx[i];
+      int64_t e = i + 1;
+      while (e < i1 && idx[e] == r) ++e;
+      if (!(has_ignore && static_cast<int64_t>(r) == ign)) {
+        T* o = out + static_cast<int64_t>(r) * os;
+        if (m <= W) {  // one partial vector per run
+          V acc = Ops::load_part(o + c0, m);
+          for (int64_t x = i; x < e; ++x)
+            acc = step<Weighted>(acc, Ops::load_part(src + x * ss + c0, m), Ops::set1(Weighted ? w[x] : A(1)));
+          Ops::store_part(o + c0, acc, m);
+        } else {
+          add_row<Weighted>(o, src, ss, Consecutive{i}, e - i, e - i, w, c0, c1);
+        }
+      }
+      i = e;
+    }
+  }
+
   static int64_t slot_of(const DirectJob& j, int64_t r) {
     const uint64_t below = j.slot_bits[r >> 6] & ((uint64_t(1) << (r & 63)) - 1);
     return j.slot_base[r >> 6] + __builtin_popcountll(below);
@@ -253,6 +317,7 @@ struct RowKernels {
         add_once<Weighted>(out + r * j.out_stride, s, wi, m);
         continue;
       }
+      if (Dense && j.mark_rows != nullptr) j.mark_rows[r >> 6] |= uint64_t(1) << (r & 63);
       A* o = acc + (Dense ? r : slot_of(j, r)) * j.scratch_stride;
       if (W == 1 || m == 1) {
         for (int64_t c = 0; c < m; ++c) o[c] = step1<Weighted>(o[c], E::get(s[c]), wi);
@@ -261,16 +326,26 @@ struct RowKernels {
       const V wk = Ops::set1(wi);
       int64_t c = 0;
       for (; c + W <= m; c += W) Ops::store_acc(o + c, step<Weighted>(Ops::load_acc(o + c), Ops::load(s + c), wk));
-      if (c < m) Ops::store_acc(o + c, step<Weighted>(Ops::load_acc(o + c), Ops::load_part(s + c, m - c), wk));
+      if (c < m)
+        Ops::store_acc_part(o + c, step<Weighted>(Ops::load_acc_part(o + c, m - c), Ops::load_part(s + c, m - c), wk),
+                            m - c);
     }
   }
 
-  static void scratch_copy(const DirectJob& j, int64_t w0, int64_t w1, int64_t c0, int64_t c1, bool to_out) {
+  static void scratch_copy(const DirectJob& j, const uint64_t* rows, int64_t w0, int64_t w1, int64_t c0, int64_t c1,
+                           bool to_out) {
     T* out = static_cast<T*>(j.out) + c0;
     A* acc = static_cast<A*>(j.scratch);
     const int64_t m = c1 - c0;
     for (int64_t wd = w0; wd < w1; ++wd) {
-      uint64_t bits = j.slot_bits[wd];
+      uint64_t bits = ~uint64_t(0);
+      if (rows != nullptr) {
+        bits = rows[wd];
+      } else {  // every row of [row_lo, row_hi) in this word
+        const int64_t lo = std::max<int64_t>(j.row_lo - wd * 64, 0), hi = std::min<int64_t>(j.row_hi - wd * 64, 64);
+        if (lo >= hi) continue;
+        bits = (hi == 64 ? ~uint64_t(0) : (uint64_t(1) << hi) - 1) & ~((uint64_t(1) << lo) - 1);
+      }
       int64_t slot = j.slot_base != nullptr ? j.slot_base[wd] : 0;
       for (; bits != 0; bits &= bits - 1, ++slot) {
         const int64_t row = wd * 64 + __builtin_ctzll(bits);
@@ -294,9 +369,9 @@ struct RowKernels {
         }
         if (c < m) {
           if (to_out)
-            Ops::store_part(o + c, Ops::load_acc(a + c), m - c);
+            Ops::store_part(o + c, Ops::load_acc_part(a + c, m - c), m - c);
           else
-            Ops::store_acc(a + c, Ops::load_part(o + c, m - c));
+            Ops::store_acc_part(a + c, Ops::load_part(o + c, m - c), m - c);
         }
       }
     }
@@ -385,6 +460,10 @@ void fill_row(KernelTable& t, int d) {
   t.direct[d][0][1] = &K::template add_direct<int64_t, false>;
   t.direct[d][1][0] = &K::template add_direct<int32_t, true>;
   t.direct[d][1][1] = &K::template add_direct<int64_t, true>;
+  t.runs[d][0][0] = &K::template add_runs<int32_t, false>;
+  t.runs[d][0][1] = &K::template add_runs<int64_t, false>;
+  t.runs[d][1][0] = &K::template add_runs<int32_t, true>;
+  t.runs[d][1][1] = &K::template add_runs<int64_t, true>;
   t.gather[d][0][0] = &K::template gather<int32_t, false>;
   t.gather[d][0][1] = &K::template gather<int64_t, false>;
   t.gather[d][1][0] = &K::template gather<int32_t, true>;

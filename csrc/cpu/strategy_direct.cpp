@@ -5,6 +5,9 @@
 //     N <= K every row gets a slot; otherwise only the rows with several contributions do (the
 //     rank of a bitmap of the N rows gives each its slot) and the others are added in place
 //     (one contribution, one rounding).
+//   A sorted (non-decreasing) index, any dtype: each row's contributions are one run of
+//     consecutive sources, summed in registers like a planned row and rounded once, with no sort
+//     and no scratch.
 // Threads: each thread owns a range of columns of every row (when rows are wide enough for whole
 // cache lines per thread) or a range of rows, cut where the index's per-block counts balance the
 // work; either way each output element has one owner and one summation order.
@@ -28,6 +31,43 @@ int block_shift_for(int64_t n) {
   return shift;
 }
 
+// A sorted index: each row's contributions are one run of consecutive sources, summed in
+// registers and rounded once (any dtype, no scratch). Threads take runs by equal shares of the
+// entries (cut on run boundaries), or columns of every run when rows are wide.
+void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
+                const Options& o, int nt, bool split_columns) {
+  const int64_t k = index.size, d = out.cols;
+  const bool i64 = index.type == IndexType::i64;
+  DirectJob job{};
+  job.out = out.data;
+  job.out_stride = out.row_stride;
+  job.src = src.data;
+  job.src_stride = src.row_stride;
+  job.index = index.data;
+  job.w = w;
+  job.has_ignore = o.ignore_index.has_value();
+  job.ignore = job.has_ignore ? *o.ignore_index : 0;
+  const AddDirectFn runs = active_kernels().runs[static_cast<int>(out.dtype)][w != nullptr][i64];
+  auto value = [&](int64_t i) {
+    return i64 ? static_cast<const int64_t*>(index.data)[i] : static_cast<const int32_t*>(index.data)[i];
+  };
+  auto run_start = [&](int64_t i) {  // the first source of the run holding entry i (i <= k)
+    while (i > 0 && i < k && value(i) == value(i - 1)) ++i;
+    return i;
+  };
+  parallel_run(nt, [&](int t, int nth) {
+    if (split_columns) {
+      const int64_t align = CpuPolicy::kColumnAlign;
+      const int64_t c0 = std::min(d, (d * t / nth + align - 1) / align * align);
+      const int64_t c1 = t + 1 == nth ? d : std::min(d, (d * (t + 1) / nth + align - 1) / align * align);
+      if (c0 < c1) runs(job, 0, k, c0, c1);
+    } else {
+      const int64_t i0 = run_start(k * t / nth), i1 = t + 1 == nth ? k : run_start(k * (t + 1) / nth);
+      if (i0 < i1) runs(job, i0, i1, 0, d);
+    }
+  });
+}
+
 }  // namespace
 
 void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
@@ -46,13 +86,24 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   const bool split_rows = nt > 1 && !split_columns;
   const int shift = block_shift_for(n);
 
+  // Validation first (nothing is written before it); a sorted index takes the runs walk.
+  const IndexScan first = scan_index(index, n, o.ignore_index, nullptr, nullptr, nullptr, 0, true);
+  if (d == 0 || first.kept == 0) return;
+  if (first.sorted) {
+    run_sorted(out, index, src, w, o, nt, split_columns);
+    return;
+  }
+
   // bf16/fp16: a float32 scratch. Dense (a slot per row, n <= k: every slot pays for itself)
-  // needs the touched rows (seen); sparse needs the rows that repeat (bits), and has nothing to do
-  // when none does.
+  // copies every row in and the touched rows back, which the adds mark as they go (or, when
+  // threads split the columns and so share the marks, a marking pass does first); sparse needs
+  // the rows that repeat (bits), and has nothing to do when none does.
   const bool dense = narrow && n <= k;
+  const bool mark_in_pass = dense && split_columns;
   std::vector<uint64_t> seen(narrow ? static_cast<size_t>((n + 63) / 64) : 0), bits(narrow && !dense ? seen.size() : 0);
-  const IndexScan scan = scan_index(index, n, o.ignore_index, narrow ? seen.data() : nullptr,
-                                    narrow && !dense ? bits.data() : nullptr);
+  IndexScan scan = first;
+  if (narrow && (!dense || mark_in_pass))
+    scan = scan_index(index, n, o.ignore_index, seen.data(), dense ? nullptr : bits.data());
   // Row split: entries per block of rows, from a sample of the index (a split never changes the
   // bits, only who computes which rows, so an estimate of the balance is enough).
   std::vector<int64_t> blocks(split_rows ? static_cast<size_t>((n >> shift) + 1) : 0);
@@ -69,7 +120,6 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     else
       sample(static_cast<const int32_t*>(index.data));
   }
-  if (d == 0 || scan.kept == 0) return;
 
   DirectJob job{};
   job.out = out.data;
@@ -98,11 +148,12 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
         slots += __builtin_popcountll(bits[i]);
       }
     }
-    job.scratch_stride = d == 1 ? 1 : (d + 15) / 16 * 16;  // whole vectors of any level
+    job.scratch_stride = d;
     acc.resize(static_cast<size_t>(slots * job.scratch_stride));
     job.scratch = acc.data();
-    job.slot_bits = dense ? seen.data() : bits.data();
+    job.slot_bits = dense ? nullptr : bits.data();
     job.slot_base = dense ? nullptr : slot_base.data();
+    job.mark_rows = dense && !mark_in_pass ? seen.data() : nullptr;
   }
   const KernelTable& kt = active_kernels();
   const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
@@ -147,10 +198,10 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     }
     if (scratch) {
       mine.scratch = static_cast<float*>(job.scratch) + c0;
-      copy(mine, w0, w1, c0, c1, false);
+      copy(mine, dense ? nullptr : bits.data(), w0, w1, c0, c1, false);
     }
     add(mine, 0, k, c0, c1);
-    if (scratch) copy(mine, w0, w1, c0, c1, true);
+    if (scratch) copy(mine, dense ? seen.data() : bits.data(), w0, w1, c0, c1, true);
   });
 }
 

@@ -131,8 +131,13 @@ template <class I>
 
 template <class I>
 cpu::IndexScan scan(const I* idx, int64_t k, int64_t n, std::optional<int64_t> ignore,
-                    uint64_t* seen, uint64_t* repeated, int64_t* block_counts, int shift) {
+                    uint64_t* seen, uint64_t* repeated, int64_t* block_counts, int shift, bool want_sorted) {
   cpu::IndexScan s;
+  if (want_sorted) {
+    unsigned descents = 0;
+    for (int64_t i = 1; i < k; ++i) descents |= idx[i - 1] > idx[i];
+    s.sorted = descents == 0;
+  }
   const bool has_ignore = ignore.has_value();
   const int64_t ign = has_ignore ? *ignore : 0;
   const uint64_t un = static_cast<uint64_t>(n);
@@ -276,12 +281,13 @@ void check_plan(const char* op, const Plan& plan, int64_t n, const char* n_name,
 }
 
 IndexScan scan_index(const IndexVector& index, int64_t n, std::optional<int64_t> ignore,
-                     uint64_t* seen, uint64_t* repeated, int64_t* block_counts, int block_shift) {
+                     uint64_t* seen, uint64_t* repeated, int64_t* block_counts, int block_shift,
+                     bool want_sorted) {
   if (index.type == IndexType::i32)
     return scan(static_cast<const int32_t*>(index.data), index.size, n, ignore, seen, repeated,
-                block_counts, block_shift);
+                block_counts, block_shift, want_sorted);
   return scan(static_cast<const int64_t*>(index.data), index.size, n, ignore, seen, repeated,
-              block_counts, block_shift);
+              block_counts, block_shift, want_sorted);
 }
 
 }  // namespace cpu

@@ -34,13 +34,14 @@ size_t index_bytes(const IndexVector& index);
 struct IndexScan {
   int64_t kept = 0;      // entries not equal to ignore_index
   int64_t repeated = 0;  // rows that appear more than once (only when `seen` was given)
+  bool sorted = false;   // values non-decreasing (only when asked for)
 };
 // Validates every value against [0, n) (ignore excepted). With `seen` (n bits, zeroed by the
 // caller), also marks each kept row; with `repeated` too, each row met a second time; with `block_counts` (zeroed, (n >> block_shift) + 1 entries), counts kept
 // entries per block of 2^block_shift rows.
 IndexScan scan_index(const IndexVector& index, int64_t n, std::optional<int64_t> ignore,
                      uint64_t* seen = nullptr, uint64_t* repeated = nullptr,
-                     int64_t* block_counts = nullptr, int block_shift = 0);
+                     int64_t* block_counts = nullptr, int block_shift = 0, bool want_sorted = false);
 
 }  // namespace cpu
 }  // namespace scatter_add

@@ -93,7 +93,7 @@ const StrategyShape kStrategyShapes[] = {
     {1, 5, 1, Pattern::uniform},      {37, 80, 1, Pattern::uniform},   {4096, 64, 3, Pattern::uniform},
     {50, 2000, 2, Pattern::zipf},     {20, 60, 17, Pattern::all_equal}, {300, 600, 64, Pattern::moe_topk},
     {64, 700, 33, Pattern::hot_row},  {40, 30, 1030, Pattern::hot_row}, {100, 300, 129, Pattern::sorted},
-    {5000, 3000, 16, Pattern::zipf},
+    {5000, 3000, 16, Pattern::zipf},  {2000, 5000, 1, Pattern::sorted}, {50, 900, 1030, Pattern::sorted},
 };
 const sa::Strategy kStrategies[] = {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix};
 
@@ -138,6 +138,40 @@ TEST(Strategies, EveryStrategyAndThreadCountGivesTheContractBits) {
                 }
               }
           }
+}
+
+// A sorted index whose ignored entries sit at its ends (padding before the first row and a
+// sentinel after the last) is still a sorted index: the runs walk must skip them.
+TEST(Strategies, SortedIndexWithIgnoredEndsGivesTheContractBits) {
+  uint64_t seed = 500;
+  for (DType t : kDtypes)
+    for (int64_t ign : {int64_t(-1), int64_t(64)})
+      for (int64_t d : {1, 33}) {
+        std::mt19937_64 rng(seed++);
+        const int64_t n = 64, k = 400;
+        std::vector<int64_t> iv = make_indices(Pattern::sorted, n, k, rng);
+        if (ign < 0)
+          std::fill(iv.begin(), iv.begin() + 50, ign);
+        else
+          std::fill(iv.end() - 50, iv.end(), ign);
+        const Idx idx = make_idx(IndexType::i64, iv);
+        const Buf out0 = special_buf(t, static_cast<size_t>(n * d), rng);
+        const Buf src = special_buf(t, static_cast<size_t>(k * d), rng);
+        const std::vector<float> w = special_weights(k, rng);
+        Buf want = out0;
+        reference_add(want, n, d, d, src, d, iv, w.data(), ign);
+        for (sa::Strategy st : kStrategies)
+          for (int threads : {1, 2}) {
+            Buf out = out0;
+            sa::Options opt;
+            opt.strategy = st;
+            opt.num_threads = threads;
+            opt.ignore_index = ign;
+            sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d), {w.data(), k, DType::f32}, opt);
+            ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " ignore=" << ign << " d=" << d
+                                             << " strategy=" << sa::strategy_name(st) << " threads=" << threads;
+          }
+      }
 }
 
 TEST(Strategies, PlanMethodsGiveTheSamePlan) {
