@@ -4,6 +4,7 @@ from typing import Optional
 
 import torch
 
+from . import _fake  # noqa: F401  (registers the fake kernels)
 from ._ops import add_op_namespace_prefix, ops
 
 
