@@ -7,8 +7,9 @@ import torch
 import torch._dynamo.testing
 from torch.export import Dim, export
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from test_errors import bits
+from test_errors import ERROR_CASES, bits, call
 
 
 def counter(backend="inductor"):
@@ -130,6 +131,33 @@ def test_fake_output_metadata_matches_real(sa):
     meta = (sa.index_add(x.to("meta"), index.to("meta"), src.to("meta")), sa.gather(x.to("meta"), index.to("meta")))
     for r, m in zip(real, meta):
         assert (m.shape, m.stride(), m.dtype, m.device.type) == (r.shape, r.stride(), r.dtype, "meta")
+
+
+# Error rows decided by shapes, dtypes and argument types: the meta (fake) kernels must raise
+# exactly what the real ones raise. Rows that depend on data (index values, overlap) or on two
+# devices are left out.
+SHAPE_CASES = [c for c in ERROR_CASES if c[1] is not None and c[3] is not IndexError
+               and "overlaps" not in c[0] and c[0] != "device-mismatch"]
+
+
+def _to(kw, device):
+    return {k: v.detach().to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES, ids=[c[0] for c in SHAPE_CASES])
+def test_fake_raises_what_the_kernel_raises(sa, case):
+    name, kw, op, exc, fragment = case
+    with pytest.raises(exc, match=re.escape(fragment)) as real:
+        call(sa, op, _to(kw, "cpu"))
+    with pytest.raises(exc) as meta:
+        call(sa, op, _to(kw, "meta"))
+    assert str(meta.value) == str(real.value)
+    real_kw = _to(kw, "cpu")
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in real_kw.items()}
+        with pytest.raises(exc) as faked:
+            call(sa, op, fake)
+    assert str(faked.value) == str(real.value)
 
 
 def test_direct_op_on_meta_raises_tagged_runtime_error(sa):

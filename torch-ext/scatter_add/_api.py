@@ -1,24 +1,43 @@
-"""The Python API over the per-build ops: thin wrappers, argument checks that only Python can do
-(lnc), and autograd registered with torch.library so torch.compile traces through."""
+"""The Python API over the per-build ops.
+
+Each function makes one kernel call on the success path. Errors are sorted out only after a call
+fails: a non-tensor argument gives TypeError naming it, a shape / dtype / device problem gives the
+ValueError of the shared checks (the same ones the fake kernels run under torch.compile), and the
+kernel's own error is raised as the exception its message names (see docs/errors.md).
+"""
 from typing import Optional
 
 import torch
 
 from . import _fake  # noqa: F401  (registers the fake kernels)
+from ._checks import check_args, check_types, ignore_index_arg, lnc_arg, typed_error
 from ._ops import add_op_namespace_prefix, ops
 
+_scatter_add_ = ops.scatter_add_.default
+_index_add = ops.index_add.default
+_gather = ops.gather.default
 
-def _check_lnc(lnc) -> None:
-    # Accepted for source compatibility with the Neuron hub kernel; no effect off Neuron.
-    if lnc is None:
-        return
-    if isinstance(lnc, bool) or not isinstance(lnc, int) or lnc <= 0:
-        raise ValueError(f"lnc must be a positive int (logical NeuronCores), got {lnc!r}")
+_grad_enabled = torch.is_grad_enabled
 
 
-def _check_ignore(ignore_index) -> None:
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise TypeError(f"ignore_index must be an int or None, got {ignore_index!r}")
+_NO_SRC = object()
+
+
+def _raise(op: str, e: Exception, input, index, src, weight):
+    """Raises the error a failed call reports to the user (always raises)."""
+    if src is _NO_SRC:
+        check_types(op, input=input, index=index, weight=weight)
+        src = None
+    else:
+        check_types(op, input=input, index=index, src=src, weight=weight)
+    try:
+        check_args(op, input, index, src, weight)
+    except RuntimeError as checked:
+        e = checked
+    typed = typed_error(op, e)
+    if typed is None:
+        raise e
+    raise typed from None
 
 
 def scatter_add(
@@ -32,18 +51,24 @@ def scatter_add(
 ) -> torch.Tensor:
     """input[index[i], :] += weight[i] * src[i, :] in place; returns input.
 
-    Duplicate indices are summed exactly in source order (float32 accumulation for bf16/fp16);
-    rows whose index equals ignore_index are skipped. On any error input is left untouched.
+    input [N, D] and src [K, D] float32, float64, bfloat16 or float16 (the same dtype); index [K]
+    int32 or int64; weight [K] float32, float64, bfloat16 or float16, or None. Duplicate indices
+    are summed exactly in source order (float32 accumulation for bf16/fp16); rows whose index
+    equals ignore_index are skipped. On any error input is left untouched. lnc is accepted for
+    compatibility with the Neuron hub kernel and has no effect here. With autograd recording
+    (input, src or weight requires grad), the update is differentiable.
     """
-    _check_lnc(lnc)
-    _check_ignore(ignore_index)
-    needs_grad = torch.is_grad_enabled() and (
-        input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad)
-    )
-    if needs_grad:
-        # Differentiable in-place update: compute out of place, then copy_ (tracked by autograd).
-        return input.copy_(index_add(input, index, src, weight=weight, ignore_index=ignore_index))
-    ops.scatter_add_(input, index, src, weight, ignore_index)
+    if lnc is not None:
+        lnc_arg("scatter_add", lnc)
+    if ignore_index is not None:
+        ignore_index = ignore_index_arg("scatter_add", ignore_index)
+    try:
+        if _grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad)):
+            # Differentiable in-place update: computed out of place, then copy_ (tracked by autograd).
+            return input.copy_(_index_add(input, index, src, weight, ignore_index))
+        _scatter_add_(input, index, src, weight, ignore_index)
+    except Exception as e:
+        _raise("scatter_add", e, input, index, src, weight)
     return input
 
 
@@ -55,10 +80,15 @@ def index_add(
     weight: Optional[torch.Tensor] = None,
     ignore_index: Optional[int] = None,
 ) -> torch.Tensor:
-    """Out of place: input with src rows (times weight) added at index. Differentiable with
-    respect to input, src and weight."""
-    _check_ignore(ignore_index)
-    return ops.index_add(input, index, src, weight, ignore_index)
+    """Out of place: a new contiguous tensor, input with weight[i] * src[i, :] added to row
+    index[i]. The same arguments as scatter_add. Differentiable with respect to input, src and
+    weight."""
+    if ignore_index is not None:
+        ignore_index = ignore_index_arg("index_add", ignore_index)
+    try:
+        return _index_add(input, index, src, weight, ignore_index)
+    except Exception as e:
+        _raise("index_add", e, input, index, src, weight)
 
 
 def gather(
@@ -69,9 +99,13 @@ def gather(
     ignore_index: Optional[int] = None,
 ) -> torch.Tensor:
     """Returns [K, D] with row i = weight[i] * input[index[i]]; rows at ignore_index are zero.
-    Differentiable; its backward is index_add of the gradient."""
-    _check_ignore(ignore_index)
-    return ops.gather(input, index, weight, ignore_index)
+    Differentiable with respect to input and weight (its backward is index_add of the gradient)."""
+    if ignore_index is not None:
+        ignore_index = ignore_index_arg("gather", ignore_index)
+    try:
+        return _gather(input, index, weight, ignore_index)
+    except Exception as e:
+        _raise("gather", e, input, index, _NO_SRC, weight)
 
 
 # --- autograd ------------------------------------------------------------------------------

@@ -4,8 +4,11 @@ The compiled kernels report every error as a RuntimeError whose message reads
 `<Kind>: <op>: <what>`, with <Kind> one of IndexError, ValueError or TypeError. `check_args` does
 the shape, dtype and device checks of the compiled kernels, in the same order and with the same
 messages, on real, meta or fake tensors (sizes may be symbolic: nothing here reads a concrete size
-unless a check fails).
+unless a check fails). `typed_error` turns such a message into the exception it names, which is
+what the public functions raise.
 """
+import numbers
+import re
 from typing import Optional
 
 import torch
@@ -14,6 +17,7 @@ OPS = ("scatter_add", "index_add", "gather")
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 FLOAT_NAMES = "float32, float64, bfloat16 or float16"
 INDEX_DTYPES = (torch.int32, torch.int64)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Names as the compiled kernels print dtypes (c10::ScalarType).
 _SCALAR_TYPE_NAMES = {
@@ -70,3 +74,64 @@ def check_args(op: str, input: torch.Tensor, index: torch.Tensor, src: Optional[
                lambda: f"weight must be {FLOAT_NAMES}, got {dtype_name(weight.dtype)}")
         _check(V, op, weight.device == input.device,
                lambda: f"weight is on {weight.device} but input is on {input.device}")
+
+
+def _type_name(x) -> str:
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def check_types(op: str, **tensors) -> None:
+    """TypeError naming the first argument that is not a tensor (weight may be None)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) and not (t is None and name == "weight"):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor{' or None' if name == 'weight' else ''}, "
+                            f"got {_type_name(t)}")
+
+
+def ignore_index_arg(op: str, value) -> int:
+    """ignore_index as a Python int in the int64 range (numpy integers accepted)."""
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{op}: ignore_index must be an int or None, got {value!r}")
+        value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{op}: ignore_index must be in the int64 range [-2**63, 2**63 - 1], got {value}")
+    return value
+
+
+def lnc_arg(op: str, value) -> None:
+    """lnc: a positive int or None (numpy integers accepted); no effect off Neuron."""
+    if value is None or (type(value) is int and value > 0):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{op}: lnc must be a positive int (logical NeuronCores), got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{op}: lnc must be a positive int (logical NeuronCores), got {value!r}")
+
+
+_TAG = re.compile(r"(?:^|, )(IndexError|ValueError|TypeError): ([^\n]*)")
+_TYPES = {"IndexError": IndexError, "ValueError": ValueError, "TypeError": TypeError}
+
+
+def typed_error(op: str, e: BaseException) -> Optional[BaseException]:
+    """The exception the Python API raises for the error `e` of a kernel call made for `op`:
+    a tagged RuntimeError becomes the exception its tag names, with the message after the tag;
+    an IndexError / ValueError / TypeError is kept. A message naming another of our ops (as
+    index_add under scatter_add with autograd) is renamed to `op`. None for anything else (an
+    untagged RuntimeError: pass it through unchanged)."""
+    if isinstance(e, RuntimeError):
+        m = _TAG.search(str(e))
+        if m is None:
+            return None
+        cls, msg = _TYPES[m.group(1)], m.group(2)
+    elif type(e) in (IndexError, ValueError, TypeError):
+        cls, msg = type(e), str(e)
+    else:
+        return None
+    callee, sep, rest = msg.partition(": ")
+    if sep and callee in OPS and callee != op:
+        msg = f"{op}: {rest}"
+    if type(e) is cls and msg == str(e):
+        return e
+    return cls(msg)

@@ -4,7 +4,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._api import _check_lnc, scatter_add
+from ._api import scatter_add
+from ._checks import lnc_arg
 
 
 class ScatterAdd(nn.Module):
@@ -13,7 +14,7 @@ class ScatterAdd(nn.Module):
 
     def __init__(self, lnc: Optional[int] = None, ignore_index: Optional[int] = None):
         super().__init__()
-        _check_lnc(lnc)
+        lnc_arg("ScatterAdd", lnc)
         self.lnc = lnc
         self.ignore_index = ignore_index
 
