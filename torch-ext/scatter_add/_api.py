@@ -10,14 +10,20 @@ from typing import Optional
 import torch
 
 from . import _fake  # noqa: F401  (registers the fake kernels)
+from . import _autograd  # noqa: F401  (registers scatter_add_'s ADInplaceOrView kernel)
 from ._checks import check_args, check_types, ignore_index_arg, lnc_arg, typed_error
 from ._ops import add_op_namespace_prefix, ops
 
 _scatter_add_ = ops.scatter_add_.default
 _index_add = ops.index_add.default
 _gather = ops.gather.default
+# The same op without OpOverload's Python frame, for the eager fast path below.
+_scatter_add_eager = getattr(_scatter_add_, "_op", _scatter_add_)
 
 _grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
+_increment_version = torch._C._increment_version
+_BelowADInplaceOrView = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 _NO_SRC = object()
@@ -55,8 +61,11 @@ def scatter_add(
     int32 or int64; weight [K] float32, float64, bfloat16 or float16, or None. Duplicate indices
     are summed exactly in source order (float32 accumulation for bf16/fp16); rows whose index
     equals ignore_index are skipped. On any error input is left untouched. lnc is accepted for
-    compatibility with the Neuron hub kernel and has no effect here. With autograd recording
-    (input, src or weight requires grad), the update is differentiable.
+    compatibility with the Neuron hub kernel and has no effect here.
+
+    Like torch's own in-place ops, this bumps input's version counter (autograd then refuses a
+    saved tensor modified afterwards) and refuses an inference tensor outside inference_mode.
+    With autograd recording (input, src or weight requires grad), the update is differentiable.
     """
     if lnc is not None:
         lnc_arg("scatter_add", lnc)
@@ -66,7 +75,15 @@ def scatter_add(
         if _grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad)):
             # Differentiable in-place update: computed out of place, then copy_ (tracked by autograd).
             return input.copy_(_index_add(input, index, src, weight, ignore_index))
-        _scatter_add_(input, index, src, weight, ignore_index)
+        if _compiling() or input.is_inference():
+            # Through the op's ADInplaceOrView kernel (inference-tensor check, version bump).
+            _scatter_add_(input, index, src, weight, ignore_index)
+        else:
+            # That kernel inlined: nothing to check for a normal tensor, and the version bump
+            # here costs a fraction of a Python kernel's dispatch.
+            with _BelowADInplaceOrView():
+                _scatter_add_eager(input, index, src, weight, ignore_index)
+            _increment_version((input,))
     except Exception as e:
         _raise("scatter_add", e, input, index, src, weight)
     return input
