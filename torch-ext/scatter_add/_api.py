@@ -10,20 +10,23 @@ from typing import Optional
 import torch
 
 from . import _fake  # noqa: F401  (registers the fake kernels)
-from . import _autograd  # noqa: F401  (registers scatter_add_'s ADInplaceOrView kernel)
+from ._autograd import forward_ad_active
 from ._checks import check_args, check_types, ignore_index_arg, lnc_arg, typed_error
-from ._ops import add_op_namespace_prefix, ops
+from ._ops import ops
 
 _scatter_add_ = ops.scatter_add_.default
 _index_add = ops.index_add.default
 _gather = ops.gather.default
-# The same op without OpOverload's Python frame, for the eager fast path below.
+# The same ops without OpOverload's Python frame, for the eager fast paths below.
 _scatter_add_eager = getattr(_scatter_add_, "_op", _scatter_add_)
+_index_add_eager = getattr(_index_add, "_op", _index_add)
+_gather_eager = getattr(_gather, "_op", _gather)
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
 _increment_version = torch._C._increment_version
 _BelowADInplaceOrView = torch._C._AutoDispatchBelowADInplaceOrView
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
 
 
 _NO_SRC = object()
@@ -99,11 +102,16 @@ def index_add(
 ) -> torch.Tensor:
     """Out of place: a new contiguous tensor, input with weight[i] * src[i, :] added to row
     index[i]. The same arguments as scatter_add. Differentiable with respect to input, src and
-    weight."""
+    weight, in reverse and forward mode, under torch.autograd and torch.func (grad, vjp, jvp,
+    jacrev, jacfwd, hessian, vmap)."""
     if ignore_index is not None:
         ignore_index = ignore_index_arg("index_add", ignore_index)
     try:
-        return _index_add(input, index, src, weight, ignore_index)
+        if _compiling() or forward_ad_active() or (
+                _grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))):
+            return _index_add(input, index, src, weight, ignore_index)  # through the op's Autograd kernel
+        with _BelowAutograd():  # nothing to differentiate: straight to the kernel
+            return _index_add_eager(input, index, src, weight, ignore_index)
     except Exception as e:
         _raise("index_add", e, input, index, src, weight)
 
@@ -116,72 +124,15 @@ def gather(
     ignore_index: Optional[int] = None,
 ) -> torch.Tensor:
     """Returns [K, D] with row i = weight[i] * input[index[i]]; rows at ignore_index are zero.
-    Differentiable with respect to input and weight (its backward is index_add of the gradient)."""
+    Differentiable with respect to input and weight (its backward is index_add of the gradient),
+    under torch.autograd and torch.func."""
     if ignore_index is not None:
         ignore_index = ignore_index_arg("gather", ignore_index)
     try:
-        return _gather(input, index, weight, ignore_index)
+        if _compiling() or forward_ad_active() or (
+                _grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))):
+            return _gather(input, index, weight, ignore_index)
+        with _BelowAutograd():
+            return _gather_eager(input, index, weight, ignore_index)
     except Exception as e:
         _raise("gather", e, input, index, _NO_SRC, weight)
-
-
-# --- autograd ------------------------------------------------------------------------------
-
-
-def _row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    return (a.to(acc) * b.to(acc)).sum(dim=1).to(dtype)
-
-
-def _needs(ctx, n):
-    # Trailing defaulted arguments may be absent from needs_input_grad: pad with False, and the
-    # backward returns only as many gradients as inputs were passed.
-    flags = tuple(ctx.needs_input_grad)
-    return flags + (False,) * (n - len(flags))
-
-
-def _index_add_setup(ctx, inputs, output):
-    input, index, src, weight, ignore_index = inputs
-    ctx.ignore_index = ignore_index
-    ctx.has_weight = weight is not None
-    ctx.save_for_backward(index, src, weight)
-
-
-def _index_add_backward(ctx, grad):
-    index, src, weight = ctx.saved_tensors
-    need_input, _, need_src, need_weight, _ = _needs(ctx, 5)
-    grad_input = grad if need_input else None
-    grad_src = ops.gather(grad, index, weight, ctx.ignore_index) if need_src else None
-    grad_weight = None
-    if need_weight and ctx.has_weight:
-        picked = ops.gather(grad, index, None, ctx.ignore_index)
-        grad_weight = _row_dot(picked, src, weight.dtype)
-    return (grad_input, None, grad_src, grad_weight, None)[: len(ctx.needs_input_grad)]
-
-
-def _gather_setup(ctx, inputs, output):
-    input, index, weight, ignore_index = inputs
-    ctx.ignore_index = ignore_index
-    ctx.has_weight = weight is not None
-    ctx.save_for_backward(input, index, weight)
-
-
-def _gather_backward(ctx, grad):
-    input, index, weight = ctx.saved_tensors
-    need_input, _, need_weight, _ = _needs(ctx, 4)
-    grad_input = None
-    if need_input:
-        grad_input = ops.index_add(torch.zeros_like(input), index, grad.to(input.dtype), weight, ctx.ignore_index)
-    grad_weight = None
-    if need_weight and ctx.has_weight:
-        picked = ops.gather(input, index, None, ctx.ignore_index)
-        grad_weight = _row_dot(picked, grad, weight.dtype)
-    return (grad_input, None, grad_weight, None)[: len(ctx.needs_input_grad)]
-
-
-torch.library.register_autograd(
-    add_op_namespace_prefix("index_add"), _index_add_backward, setup_context=_index_add_setup
-)
-torch.library.register_autograd(
-    add_op_namespace_prefix("gather"), _gather_backward, setup_context=_gather_setup
-)
