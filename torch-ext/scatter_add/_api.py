@@ -34,6 +34,8 @@ _NO_SRC = object()
 
 def _raise(op: str, e: Exception, input, index, src, weight):
     """Raises the error a failed call reports to the user (always raises)."""
+    if _compiling():
+        raise e  # while tracing, the fake kernel's error as it is (see docs/errors.md)
     if src is _NO_SRC:
         check_types(op, input=input, index=index, weight=weight)
         src = None

@@ -71,8 +71,8 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return (a.to(acc) * b.to(acc)).sum(dim=-1).to(dtype)
 
 
-class IndexAdd(torch.autograd.Function):
-    """out = input with weight[i] * src[i] added to row index[i]."""
+class _IndexAddRule:
+    """out = input with weight[i] * src[i] added to row index[i]: forward, backward and jvp."""
 
     @staticmethod
     def forward(input, index, src, weight, ignore_index):
@@ -110,8 +110,9 @@ class IndexAdd(torch.autograd.Function):
         return t.clone(memory_format=torch.contiguous_format) if t is t_input else t
 
 
-class Gather(torch.autograd.Function):
-    """out[i] = weight[i] * input[index[i]] (zero where index[i] == ignore_index)."""
+class _GatherRule:
+    """out[i] = weight[i] * input[index[i]] (zero where index[i] == ignore_index): forward,
+    backward and jvp."""
 
     @staticmethod
     def forward(input, index, weight, ignore_index):
@@ -150,14 +151,34 @@ class Gather(torch.autograd.Function):
         return t if t is not None else input.new_zeros((index.shape[0], input.shape[1]))
 
 
+class IndexAdd(_IndexAddRule, torch.autograd.Function):
+    pass
+
+
+class Gather(_GatherRule, torch.autograd.Function):
+    pass
+
+
+# Under torch.func this runs as the op's Autograd kernel on the transform's wrapped tensors of this
+# level, and autograd records on them directly, as it does for torch's own ops. So the rule is
+# applied as a single-level function (the kind torch.func builds for each level of an
+# autograd.Function it is handed): an autograd.Function's apply would hand itself to torch.func
+# again, which can only take it from outside the dispatcher.
+class _IndexAddOneLevel(_IndexAddRule, torch.autograd.function._SingleLevelFunction):
+    pass
+
+
+class _GatherOneLevel(_GatherRule, torch.autograd.function._SingleLevelFunction):
+    pass
+
+
+_ONE_LEVEL = {IndexAdd: _IndexAddOneLevel, Gather: _GatherOneLevel}
+
+
 def _apply(fn, *args):
-    # This runs as the op's Autograd kernel. Under torch.func transforms the arguments are the
-    # transform's wrapped tensors at this level, and autograd records on them directly, as it does
-    # for torch's own ops: apply the function here, below torch.func's own autograd.Function
-    # handling (which expects to be called from outside the dispatcher).
     if _functorch_active():
         with _single_level_function():
-            return super(torch.autograd.Function, fn).apply(*args)
+            return _ONE_LEVEL[fn].apply(*args)
     return fn.apply(*args)
 
 
