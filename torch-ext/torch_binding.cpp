@@ -290,22 +290,6 @@ Tensor index_add_with(const Tensor& input, const Tensor& index, const Tensor& sr
   return out;
 }
 
-// Meta: shapes and dtypes only, the same checks as the real kernels.
-void scatter_add_meta(const Tensor& input, const Tensor& index, const Tensor& src,
-                      const c10::optional<Tensor>& weight, c10::optional<int64_t>) {
-  check_args("scatter_add", input, index, &src, weight);
-}
-Tensor index_add_meta(const Tensor& input, const Tensor& index, const Tensor& src,
-                      const c10::optional<Tensor>& weight, c10::optional<int64_t>) {
-  check_args("index_add", input, index, &src, weight);
-  return at::empty_like(input, at::MemoryFormat::Contiguous);
-}
-Tensor gather_meta(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight,
-                   c10::optional<int64_t>) {
-  check_args("gather", input, index, nullptr, weight);
-  return at::empty({index.size(0), input.size(1)}, input.options());
-}
-
 }  // namespace
 }  // namespace scatter_add_torch
 
@@ -324,12 +308,6 @@ SA_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("scatter_add_", &scatter_add_torch::scatter_add_cpu);
   m.impl("index_add", &scatter_add_torch::index_add_with<&scatter_add_torch::scatter_add_cpu>);
   m.impl("gather", &scatter_add_torch::gather_cpu);
-}
-
-SA_LIBRARY_IMPL(TORCH_EXTENSION_NAME, Meta, m) {
-  m.impl("scatter_add_", &scatter_add_torch::scatter_add_meta);
-  m.impl("index_add", &scatter_add_torch::index_add_meta);
-  m.impl("gather", &scatter_add_torch::gather_meta);
 }
 
 #if defined(SCATTER_ADD_CUDA)

@@ -4,6 +4,7 @@ input gives the listed result. A test also checks the document lists every case 
 import re
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,11 +41,11 @@ ERROR_CASES = [
     ("index-out-of-range-not-ignored", base(index=torch.tensor([0, 7, -1]), ignore_index=-1), SCATTER, IndexError,
      "is not ignore_index = -1"),
     ("index-int32-out-of-range", base(index=torch.tensor([0, 1, 99], dtype=torch.int32)), SCATTER, IndexError, "index[2] = 99"),
-    ("index-float-dtype", base(index=torch.tensor([0.0, 1.0, 2.0])), SCATTER, RuntimeError, "index must be int32 or int64"),
-    ("index-int16-dtype", base(index=torch.tensor([0, 1, 2], dtype=torch.int16)), SCATTER, RuntimeError, "index must be int32 or int64, got Short"),
-    ("index-bool-dtype", base(index=torch.tensor([True, False, True])), SCATTER, RuntimeError, "index must be int32 or int64"),
+    ("index-float-dtype", base(index=torch.tensor([0.0, 1.0, 2.0])), SCATTER, ValueError, "index must be int32 or int64"),
+    ("index-int16-dtype", base(index=torch.tensor([0, 1, 2], dtype=torch.int16)), SCATTER, ValueError, "index must be int32 or int64, got Short"),
+    ("index-bool-dtype", base(index=torch.tensor([True, False, True])), SCATTER, ValueError, "index must be int32 or int64"),
     ("index-2d", base(index=torch.tensor([[0, 1, 2]])), SCATTER, ValueError, "index must be 1-D"),
-    ("src-dtype-mismatch", base(src=torch.randn(3, 4, dtype=torch.float64)), SCATTER, RuntimeError, "src dtype Double does not match input dtype Float"),
+    ("src-dtype-mismatch", base(src=torch.randn(3, 4, dtype=torch.float64)), SCATTER, ValueError, "src dtype Double does not match input dtype Float"),
     ("src-rows-mismatch", base(src=torch.randn(4, 4)), SCATTER, ValueError, "src has 4 rows but index has 3 entries"),
     ("src-cols-mismatch", base(src=torch.randn(3, 5)), SCATTER, ValueError, "src has 5 columns but input has 4"),
     ("src-1d", base(src=torch.randn(3)), SCATTER, ValueError, "src must be 2-D"),
@@ -56,17 +57,35 @@ ERROR_CASES = [
      SCATTER, ValueError, "input must be float32"),
     ("weight-wrong-length", base(weight=torch.rand(2)), SCATTER, ValueError, "weight must be 1-D with 3 entries"),
     ("weight-2d", base(weight=torch.rand(3, 1)), SCATTER, ValueError, "weight must be 1-D with 3 entries"),
-    ("weight-int-dtype", base(weight=torch.ones(3, dtype=torch.long)), SCATTER, RuntimeError, "weight must be a float tensor"),
+    ("weight-int-dtype", base(weight=torch.ones(3, dtype=torch.long)), SCATTER, ValueError,
+     "weight must be float32, float64, bfloat16 or float16, got Long"),
     ("ignore-index-not-int", base(ignore_index=1.5), SCATTER, TypeError, "ignore_index must be an int"),
-    ("device-mismatch", base(index=torch.tensor([0, 5, 2], device="meta")), SCATTER, RuntimeError, "index is on meta but input is on cpu"),
+    ("device-mismatch", base(index=torch.tensor([0, 5, 2], device="meta")), SCATTER, ValueError, "index is on meta but input is on cpu"),
     ("src-overlaps-input", None, SCATTER, ValueError, "src memory overlaps input"),
     ("index-overlaps-input", shared_storage_case("index"), SCATTER, ValueError, "index memory overlaps input"),
     ("weight-overlaps-input", shared_storage_case("weight"), SCATTER, ValueError, "weight memory overlaps input"),
     ("lnc-zero", base(lnc=0), SCATTER, ValueError, "lnc must be a positive int"),
     ("lnc-negative", base(lnc=-2), SCATTER, ValueError, "lnc must be a positive int"),
-    ("lnc-float", base(lnc=2.0), SCATTER, ValueError, "lnc must be a positive int"),
-    ("lnc-bool", base(lnc=True), SCATTER, ValueError, "lnc must be a positive int"),
+    ("lnc-float", base(lnc=2.0), SCATTER, TypeError, "lnc must be a positive int"),
+    ("lnc-bool", base(lnc=True), SCATTER, TypeError, "lnc must be a positive int"),
+    ("ignore-index-out-of-int64", base(ignore_index=2**64), SCATTER, ValueError,
+     "scatter_add: ignore_index must be in the int64 range [-2**63, 2**63 - 1], got 18446744073709551616"),
+    ("ignore-index-bool", base(ignore_index=True), SCATTER, TypeError, "ignore_index must be an int or None, got True"),
+    ("input-none", base(input=None), SCATTER, TypeError, "scatter_add: input must be a torch.Tensor, got NoneType"),
+    ("index-list", base(index=[0, 5, 2]), SCATTER, TypeError, "scatter_add: index must be a torch.Tensor, got list"),
+    ("src-numpy", base(src=np.ones((3, 4), dtype=np.float32)), SCATTER, TypeError,
+     "scatter_add: src must be a torch.Tensor, got numpy.ndarray"),
+    ("weight-numpy", base(weight=np.ones(3, dtype=np.float32)), SCATTER, TypeError,
+     "scatter_add: weight must be a torch.Tensor or None, got numpy.ndarray"),
+    ("weight-float8", base(weight=torch.ones(3).to(torch.float8_e4m3fn)), SCATTER, ValueError,
+     "scatter_add: weight must be float32, float64, bfloat16 or float16, got Float8_e4m3fn"),
+    ("index-out-of-range-with-grad", base(index=torch.tensor([0, 6, 2]), src=torch.randn(3, 4, requires_grad=True)),
+     SCATTER, IndexError, "scatter_add: index[1] = 6 is out of range for 6 rows"),
+    ("src-rows-mismatch-with-grad", base(src=torch.randn(4, 4, requires_grad=True)), SCATTER, ValueError,
+     "scatter_add: src has 4 rows but index has 3 entries"),
     ("gather-index-out-of-range", base(index=torch.tensor([0, 6, 2])), GATHER, IndexError, "gather: index[1] = 6"),
+    ("gather-input-numpy", base(input=np.zeros((6, 4), dtype=np.float32)), GATHER, TypeError,
+     "gather: input must be a torch.Tensor, got numpy.ndarray"),
     ("gather-input-1d", base(input=torch.randn(6)), GATHER, ValueError, "input must be 2-D"),
     ("gather-weight-wrong-length", base(weight=torch.rand(5)), GATHER, ValueError, "weight must be 1-D with 3 entries"),
 ]
@@ -88,10 +107,12 @@ def call(sa, op, kw):
 def test_error_case(sa, case):
     name, kw, op, exc, fragment = case
     kw = kw if kw is not None else src_overlap_case()
-    before = bits(kw["input"])
+    tensor_input = isinstance(kw["input"], torch.Tensor)
+    before = bits(kw["input"]) if tensor_input else None
     with pytest.raises(exc, match=re.escape(fragment)):
         call(sa, op, kw)
-    assert torch.equal(bits(kw["input"]), before), f"{name}: input changed"
+    if tensor_input:
+        assert torch.equal(bits(kw["input"]), before), f"{name}: input changed"
 
 
 # Edge inputs that are not errors: (id, function returning (ours, expected)).
@@ -127,9 +148,27 @@ def edge_gather_ignored_rows_zero(sa):
     return sa.gather(x, torch.tensor([2, -1]), ignore_index=-1), torch.stack([x[2], torch.zeros(2)])
 
 
+def edge_numpy_integers(sa):
+    x = torch.zeros(3, 2)
+    index = torch.tensor([0, 2, 2, 1])
+    ours = sa.scatter_add(x.clone(), index, torch.ones(4, 2), ignore_index=np.int64(1), lnc=np.int32(2))
+    return ours, sa.index_add(x, index, torch.ones(4, 2), ignore_index=1)
+
+
+def edge_weight_dtypes(sa):
+    x = torch.zeros(3, 2)
+    index = torch.tensor([0, 2, 2])
+    w = torch.tensor([0.5, 2.0, 0.25])
+    outs = [sa.index_add(x, index, torch.ones(3, 2), weight=w.to(dt))
+            for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    return outs[0], torch.tensor([[0.5, 0.5], [0.0, 0.0], [2.25, 2.25]])
+
+
 EDGE_CASES = [("empty-k", edge_k0), ("empty-d", edge_d0), ("empty-n-and-k", edge_n0_k0),
               ("nan-inf-propagate", edge_nan_inf), ("ignore-index-equal-to-a-valid-row", edge_ignore_valid_row),
-              ("gather-ignored-rows-are-zero", edge_gather_ignored_rows_zero)]
+              ("gather-ignored-rows-are-zero", edge_gather_ignored_rows_zero),
+              ("numpy-integers-for-ignore-index-and-lnc", edge_numpy_integers), ("weight-dtypes", edge_weight_dtypes)]
 
 
 @pytest.mark.parametrize("case", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
@@ -187,7 +226,51 @@ def test_huge_tensor_offsets_past_2_31(sa):
     del x
 
 
-@pytest.mark.parametrize("lnc", [0, -2, 1.5, "2", True])
-def test_scatter_add_module_rejects_bad_lnc(sa, lnc):
-    with pytest.raises(ValueError, match="lnc must be a positive int"):
+@pytest.mark.parametrize("lnc, exc", [(0, ValueError), (-2, ValueError), (1.5, TypeError), ("2", TypeError),
+                                      (True, TypeError)])
+def test_scatter_add_module_rejects_bad_lnc(sa, lnc, exc):
+    with pytest.raises(exc, match="lnc must be a positive int"):
         sa.ScatterAdd(lnc=lnc)
+
+
+class _KernelRaises(torch.utils._python_dispatch.TorchDispatchMode):
+    """Makes our kernels raise `error` (as kernels built on torch's stable ABI report errors: a
+    RuntimeError tagged with the exception's name)."""
+
+    def __init__(self, sa, error):
+        super().__init__()
+        self.ours = {sa.ops.scatter_add_.default, sa.ops.index_add.default, sa.ops.gather.default}
+        self.error = error
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.ours:
+            raise self.error
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", [SCATTER, "index_add", GATHER])
+@pytest.mark.parametrize("raised, exc, message", [
+    (RuntimeError("IndexError: scatter_add: index[1] = 6 is out of range for 6 rows"), IndexError,
+     "{op}: index[1] = 6 is out of range for 6 rows"),
+    (RuntimeError("scatter_add_cpu, torch_binding.cpp:120, ValueError: index_add: src memory overlaps input"),
+     ValueError, "{op}: src memory overlaps input"),
+    (RuntimeError("TypeError: gather: weight must be a tensor"), TypeError, "{op}: weight must be a tensor"),
+    (IndexError("index_add: index[0] = 9 is out of range"), IndexError, "{op}: index[0] = 9 is out of range"),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), RuntimeError,
+     "CUDA error: an illegal memory access was encountered"),
+])
+def test_kernel_errors_become_typed(sa, op, raised, exc, message):
+    """A tagged kernel error becomes the exception its tag names, named after the function called;
+    an untagged one passes through unchanged."""
+    kw = base()
+    before = bits(kw["input"])
+    with _KernelRaises(sa, raised), pytest.raises(exc) as e:
+        if op == "index_add":
+            sa.index_add(kw["input"], kw["index"], kw["src"])
+        else:
+            call(sa, op, kw)
+    assert str(e.value) == message.format(op=op)
+    assert type(e.value) is exc
+    if exc is RuntimeError:
+        assert e.value is raised
+    assert torch.equal(bits(kw["input"]), before)

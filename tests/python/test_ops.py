@@ -175,3 +175,19 @@ def test_property_index_add_and_gather(sa, n, k, d, pad, dtype, index_dtype, wei
     keep = torch.ones(k, dtype=torch.bool) if ignore is None else index != ignore
     assert torch.equal(g_ours[keep], inp[index[keep].long()])
     assert bool((g_ours[~keep] == 0).all())
+
+
+def test_scatter_add_module_settings(sa):
+    import numpy as np
+
+    assert repr(sa.ScatterAdd(lnc=2)) == "ScatterAdd(lnc=2, ignore_index=None)"
+    layer = sa.ScatterAdd(lnc=np.int32(2), ignore_index=np.int64(-1))
+    assert repr(layer) == "ScatterAdd(lnc=2, ignore_index=-1)"
+    assert type(layer.lnc) is int and type(layer.ignore_index) is int
+    out = layer(torch.zeros(3, 2), torch.tensor([0, -1, 2, 0]), torch.ones(4, 2), torch.tensor([1.0, 5.0, 2.0, 3.0]))
+    assert torch.equal(out, torch.tensor([[4.0, 4.0], [0.0, 0.0], [2.0, 2.0]]))
+    with pytest.raises(TypeError, match="ScatterAdd: ignore_index must be an int or None, got 0.5"):
+        sa.ScatterAdd(ignore_index=0.5)
+    with pytest.raises(ValueError, match=r"ScatterAdd: ignore_index must be in the int64 range"):
+        sa.ScatterAdd(ignore_index=-(2**63) - 1)
+    assert "ignore_index" in sa.ScatterAdd.__doc__

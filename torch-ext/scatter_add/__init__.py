@@ -3,7 +3,7 @@
     scatter_add(input, index, src, *, weight=None, ignore_index=None, lnc=None)  # in place
     index_add(input, index, src, *, weight=None, ignore_index=None)             # out of place
     gather(input, index, *, weight=None, ignore_index=None)                     # [K, D]
-    ScatterAdd(lnc=None)                                                        # nn.Module
+    ScatterAdd(lnc=None, ignore_index=None)                                     # nn.Module
     distributed.ExpertParallel                                                  # EP dispatch/combine
 
 All imports are relative: the kernels loader imports this package under its per-build name.

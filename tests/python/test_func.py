@@ -1,0 +1,183 @@
+"""torch.func over index_add and gather: grad, vjp, jacrev, jacfwd / jvp, vmap, hessian and
+per-sample gradients, each against the same function written with torch's own ops (float64)."""
+import pytest
+import torch
+from torch import func
+
+IGN = -1
+
+
+def index_add_ref(x, index, src, w, ignore=IGN):
+    keep = index != ignore  # no boolean indexing: this reference also runs under vmap
+    rows = torch.where(keep, index, torch.zeros((), dtype=index.dtype))
+    return x.index_add(0, rows, torch.where(keep[:, None], src * w[:, None], torch.zeros((), dtype=src.dtype)))
+
+
+def gather_ref(x, index, w, ignore=IGN):
+    keep = (index != ignore)[:, None]
+    return torch.where(keep, x[index.clamp(min=0)] * w[:, None], torch.zeros((), dtype=x.dtype))
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 5, dtype=torch.float64, generator=g)
+    index = torch.tensor([0, 5, IGN, 2, 0, 5, 3])
+    src = torch.randn(7, 5, dtype=torch.float64, generator=g)
+    w = torch.rand(7, dtype=torch.float64, generator=g) + 0.5
+    return x, index, src, w
+
+
+def ours(sa):
+    return (lambda x, s, w, index: sa.index_add(x, index, s, weight=w, ignore_index=IGN),
+            lambda x, w, index: sa.gather(x, index, weight=w, ignore_index=IGN))
+
+
+def close(a, b):
+    if isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for p, q in zip(a, b):
+            close(p, q)
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_grad(sa, data):
+    x, index, src, w = data
+    ia, ga = ours(sa)
+    loss = lambda f: (lambda *a: (f(*a) ** 2).sum())  # noqa: E731
+    close(func.grad(loss(ia), argnums=(0, 1, 2))(x, src, w, index),
+          func.grad(loss(index_add_ref), argnums=(0, 2, 3))(x, index, src, w))
+    close(func.grad(loss(ga), argnums=(0, 1))(x, w, index), func.grad(loss(gather_ref), argnums=(0, 2))(x, index, w))
+
+
+def test_vjp(sa, data):
+    x, index, src, w = data
+    ia, ga = ours(sa)
+    ct = torch.randn(6, 5, dtype=torch.float64)
+    out, pull = func.vjp(lambda x, s, w: ia(x, s, w, index), x, src, w)
+    ref_out, ref_pull = func.vjp(lambda x, s, w: index_add_ref(x, index, s, w), x, src, w)
+    close(out, ref_out)
+    close(pull(ct), ref_pull(ct))
+    ct = torch.randn(7, 5, dtype=torch.float64)
+    out, pull = func.vjp(lambda x, w: ga(x, w, index), x, w)
+    ref_out, ref_pull = func.vjp(lambda x, w: gather_ref(x, index, w), x, w)
+    close(out, ref_out)
+    close(pull(ct), ref_pull(ct))
+
+
+@pytest.mark.parametrize("mode", ["jacrev", "jacfwd"])
+def test_jacobians(sa, data, mode):
+    x, index, src, w = data
+    ia, ga = ours(sa)
+    jac = getattr(func, mode)
+    close(jac(ia, argnums=(0, 1, 2))(x, src, w, index),
+          jac(lambda x, s, w: index_add_ref(x, index, s, w), argnums=(0, 1, 2))(x, src, w))
+    close(jac(ga, argnums=(0, 1))(x, w, index), jac(lambda x, w: gather_ref(x, index, w), argnums=(0, 1))(x, w))
+
+
+def test_jvp(sa, data):
+    x, index, src, w = data
+    ia, ga = ours(sa)
+    tx, ts, tw = torch.randn_like(x), torch.randn_like(src), torch.randn_like(w)
+    close(func.jvp(lambda x, s, w: ia(x, s, w, index), (x, src, w), (tx, ts, tw)),
+          func.jvp(lambda x, s, w: index_add_ref(x, index, s, w), (x, src, w), (tx, ts, tw)))
+    close(func.jvp(lambda x, w: ga(x, w, index), (x, w), (tx, tw)),
+          func.jvp(lambda x, w: gather_ref(x, index, w), (x, w), (tx, tw)))
+    # one tangent at a time (the others absent)
+    close(func.jvp(lambda s: ia(x, s, w, index), (src,), (ts,)),
+          func.jvp(lambda s: index_add_ref(x, index, s, w), (src,), (ts,)))
+    close(func.jvp(lambda w: ga(x, w, index), (w,), (tw,)), func.jvp(lambda w: gather_ref(x, index, w), (w,), (tw,)))
+
+
+def test_forward_ad_dual_tensors(sa, data):
+    import torch.autograd.forward_ad as fwAD
+
+    x, index, src, w = data
+    t = torch.randn_like(src)
+    with fwAD.dual_level():
+        out = sa.index_add(x, index, fwAD.make_dual(src, t), weight=w, ignore_index=IGN)
+        tangent = fwAD.unpack_dual(out).tangent
+    assert tangent is not None
+    close(tangent, index_add_ref(torch.zeros_like(x), index, t, w))
+
+
+@pytest.mark.parametrize("outer", ["jacfwd", "jacrev"])
+def test_second_order(sa, data, outer):
+    """Nested transforms: the inner level's kernel call must be recorded by the outer level."""
+    x, index, src, w = data
+    jac = getattr(func, outer)
+    f = lambda x, w: (sa.gather(x, index, weight=w, ignore_index=IGN) ** 2).sum()  # noqa: E731
+    ref = lambda x, w: (gather_ref(x, index, w) ** 2).sum()  # noqa: E731
+    close(jac(func.jacrev(f, argnums=(0, 1)), argnums=(0, 1))(x, w),
+          jac(func.jacrev(ref, argnums=(0, 1)), argnums=(0, 1))(x, w))
+    f = lambda x, s, w: (sa.index_add(x, index, s, weight=w, ignore_index=IGN) ** 3).sum()  # noqa: E731
+    ref = lambda x, s, w: (index_add_ref(x, index, s, w) ** 3).sum()  # noqa: E731
+    close(jac(func.jacrev(f, argnums=(0, 1, 2)), argnums=(0, 1, 2))(x, src, w),
+          jac(func.jacrev(ref, argnums=(0, 1, 2)), argnums=(0, 1, 2))(x, src, w))
+
+
+def test_hessian_and_grad_of_grad(sa, data):
+    x, index, src, w = data
+    f = lambda w: (sa.gather(x, index, weight=w, ignore_index=IGN) ** 2).sum()  # noqa: E731
+    ref = lambda w: (gather_ref(x, index, w) ** 2).sum()  # noqa: E731
+    h = func.hessian(f)(w)
+    assert h.abs().sum() > 0
+    close(h, func.hessian(ref)(w))
+    close(func.grad(lambda w: func.grad(f)(w)[0])(w), func.grad(lambda w: func.grad(ref)(w)[0])(w))
+
+
+def test_per_sample_grads(sa, data):
+    """vmap over grad: one gradient of src per sample of a batch of inputs."""
+    x, index, src, w = data
+    batch = torch.randn(4, 6, 5, dtype=torch.float64)
+    f = lambda s, xb: (sa.index_add(xb, index, s, weight=w, ignore_index=IGN) ** 3).sum()  # noqa: E731
+    ref = lambda s, xb: (index_add_ref(xb, index, s, w) ** 3).sum()  # noqa: E731
+    close(func.vmap(func.grad(f), in_dims=(None, 0))(src, batch),
+          func.vmap(func.grad(ref), in_dims=(None, 0))(src, batch))
+
+
+@pytest.mark.parametrize("batched", ["input", "src", "both", "index", "weight"])
+def test_vmap(sa, data, batched):
+    x, index, src, w = data
+    b = 3
+    g = torch.Generator().manual_seed(11)
+    xs = torch.randn(b, 6, 5, dtype=torch.float64, generator=g) if batched in ("input", "both") else x
+    ss = torch.randn(b, 7, 5, dtype=torch.float64, generator=g) if batched in ("src", "both") else src
+    idx = torch.randint(-1, 6, (b, 7), generator=g) if batched == "index" else index
+    ws = torch.rand(b, 7, dtype=torch.float64, generator=g) if batched == "weight" else w
+    dims = tuple(0 if t.dim() == d + 1 else None for t, d in ((xs, 2), (idx, 1), (ss, 2), (ws, 1)))
+    got = func.vmap(lambda x, i, s, w: sa.index_add(x, i, s, weight=w, ignore_index=IGN), in_dims=dims)(xs, idx, ss, ws)
+    want = func.vmap(index_add_ref, in_dims=dims)(xs, idx, ss, ws)
+    close(got, want)
+    if batched in ("input", "index", "weight"):
+        gdims = (dims[0], dims[1], dims[3])
+        got = func.vmap(lambda x, i, w: sa.gather(x, i, weight=w, ignore_index=IGN), in_dims=gdims)(xs, idx, ws)
+        close(got, func.vmap(gather_ref, in_dims=gdims)(xs, idx, ws))
+
+
+def test_vmap_keeps_exact_bits(sa):
+    """Folding the batch into the columns changes no bits: each sample equals its own call."""
+    g = torch.Generator().manual_seed(12)
+    xs = torch.randn(4, 9, 33, generator=g).to(torch.bfloat16)
+    ss = torch.randn(4, 50, 33, generator=g).to(torch.bfloat16)
+    index = torch.randint(0, 9, (50,), generator=g)
+    w = torch.rand(50, generator=g)
+    got = func.vmap(lambda x, s: sa.index_add(x, index, s, weight=w))(xs, ss)
+    for b in range(4):
+        assert torch.equal(got[b], sa.index_add(xs[b], index, ss[b], weight=w))
+    got = func.vmap(lambda x: sa.gather(x, index, weight=w))(xs)
+    for b in range(4):
+        assert torch.equal(got[b], sa.gather(xs[b], index, weight=w))
+
+
+def test_gradgradcheck_and_forward_mode_gradcheck(sa, data):
+    x, index, src, w = data
+    args = (x.clone().requires_grad_(), src.clone().requires_grad_(), w.clone().requires_grad_())
+    f = lambda x, s, w: sa.index_add(x, index, s, weight=w, ignore_index=IGN)  # noqa: E731
+    g = lambda x, w: sa.gather(x, index, weight=w, ignore_index=IGN)  # noqa: E731
+    assert torch.autograd.gradgradcheck(f, args)
+    assert torch.autograd.gradgradcheck(g, (args[0], args[2]))
+    assert torch.autograd.gradcheck(f, args, check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False)
+    assert torch.autograd.gradcheck(g, (args[0], args[2]), check_forward_ad=True, check_backward_ad=False,
+                                    check_undefined_grad=False)

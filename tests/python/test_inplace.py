@@ -1,0 +1,144 @@
+"""In-place semantics of scatter_add, as torch's own index_add_ has them: the version counter bumps
+whether or not anything needs grad, an inference tensor is refused outside inference_mode, and a
+tensor saved for backward and then modified is caught. Through the Python function, through a
+direct torch.ops call, and under torch.compile."""
+import pytest
+import torch
+
+
+def calls(sa):
+    """The in-place update three ways: (name, fn(x, index, src))."""
+    def ops(x, i, s):
+        sa.ops.scatter_add_(x, i, s)
+        return x
+
+    def compiled(x, i, s):
+        return _compiled(sa)(x, i, s)
+
+    return [("scatter_add", lambda x, i, s: sa.scatter_add(x, i, s)), ("torch.ops", ops), ("compiled", compiled)]
+
+
+_COMPILED = {}
+
+
+def _compiled(sa):
+    if "f" not in _COMPILED:
+        _COMPILED["f"] = torch.compile(lambda x, i, s: sa.scatter_add(x, i, s), fullgraph=True, dynamic=True)
+    return _COMPILED["f"]
+
+
+@pytest.fixture(params=["scatter_add", "torch.ops", "compiled"])
+def inplace(sa, request):
+    return dict(calls(sa))[request.param]
+
+
+def test_version_counter_bumps_without_grad(inplace):
+    x = torch.zeros(4, 3)
+    v = x._version
+    out = inplace(x, torch.tensor([0, 3]), torch.ones(2, 3))
+    assert out is x or torch.equal(out, x)
+    assert x._version > v
+    assert torch.equal(x[0], torch.ones(3)) and torch.equal(x[1], torch.zeros(3))
+    v = x._version
+    with torch.no_grad():
+        inplace(x, torch.tensor([1]), torch.ones(1, 3))
+    assert x._version > v
+
+
+def test_version_bump_shared_with_views(sa):
+    base = torch.zeros(4, 6)
+    view = base[:, 2:5]
+    v = base._version
+    sa.scatter_add(view, torch.tensor([2]), torch.ones(1, 3))
+    assert base._version > v and view._version == base._version
+    assert base[2].tolist() == [0, 0, 1, 1, 1, 0]
+
+
+def test_modified_after_save_is_caught(inplace):
+    """w's gradient needs x as it was before the update: autograd raises, as for x.index_add_
+    (it used to give w.grad [4, 2, 2] instead of [2, 2, 2])."""
+    w = torch.ones(3, requires_grad=True)
+    x = torch.ones(3, 2)
+    y = (w[:, None] * x).sum()
+    inplace(x, torch.tensor([0]), torch.ones(1, 2))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_torch_reference_behaves_the_same():
+    """What the three cases above compare with: torch's own in-place index_add_."""
+    w = torch.ones(3, requires_grad=True)
+    x = torch.ones(3, 2)
+    y = (w[:, None] * x).sum()
+    x.index_add_(0, torch.tensor([0]), torch.ones(1, 2))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_unmodified_save_still_backpropagates(sa):
+    w = torch.ones(3, requires_grad=True)
+    x = torch.ones(3, 2)
+    y = (w[:, None] * x).sum()
+    other = torch.zeros(3, 2)
+    sa.scatter_add(other, torch.tensor([0]), torch.ones(1, 2))
+    y.backward()
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
+
+
+def test_inference_tensor_refused_outside_inference_mode(sa):
+    with torch.inference_mode():
+        x = torch.zeros(4, 3)
+    before = x.clone()
+    for name, fn in calls(sa)[:2]:
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+            fn(x, torch.tensor([0]), torch.ones(1, 3))
+        assert torch.equal(x, before), name
+    # torch refuses the same
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        x.index_add_(0, torch.tensor([0]), torch.ones(1, 3))
+
+
+def test_inference_tensor_accepted_inside_inference_mode(sa):
+    with torch.inference_mode():
+        x = torch.zeros(4, 3)
+        sa.scatter_add(x, torch.tensor([0, 0]), torch.ones(2, 3))
+        sa.ops.scatter_add_(x, torch.tensor([1]), torch.ones(1, 3))
+    assert x[0].tolist() == [2, 2, 2] and x[1].tolist() == [1, 1, 1]
+    normal = torch.zeros(2, 3)
+    with torch.inference_mode():
+        v = normal._version
+        sa.scatter_add(normal, torch.tensor([1]), torch.ones(1, 3))
+        assert normal._version > v  # a normal tensor keeps its version counter in inference mode
+
+
+def test_leaf_requiring_grad_is_refused_as_torch_does(sa):
+    x = torch.zeros(4, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        sa.scatter_add(x, torch.tensor([0]), torch.ones(1, 3))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        x.index_add_(0, torch.tensor([0]), torch.ones(1, 3))
+
+
+def test_differentiable_in_place_update_bumps_and_tracks(sa):
+    src = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.zeros(4, 3, dtype=torch.float64)
+    v = x._version
+    sa.scatter_add(x, torch.tensor([0, 0]), src, weight=torch.tensor([2.0, 3.0], dtype=torch.float64))
+    assert x._version > v and x.grad_fn is not None
+    x.sum().backward()
+    assert torch.equal(src.grad, torch.tensor([[2.0] * 3, [3.0] * 3], dtype=torch.float64))
+
+
+def test_compiled_in_place_update_matches_eager(sa):
+    torch._dynamo.reset()
+    _COMPILED.clear()
+    g = torch.Generator().manual_seed(5)
+    for n, k in [(8, 5), (13, 40), (3, 2)]:
+        x = torch.randn(n, 4, generator=g)
+        i = torch.randint(0, n, (k,), generator=g)
+        s = torch.randn(k, 4, generator=g)
+        ref = x.clone()
+        sa.scatter_add(ref, i, s)
+        v = x._version
+        _compiled(sa)(x, i, s)
+        assert torch.equal(x, ref) and x._version > v

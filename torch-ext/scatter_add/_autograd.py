@@ -1,0 +1,251 @@
+"""Dispatcher registrations beyond the compiled kernels:
+
+- scatter_add_ (in place): an ADInplaceOrView kernel, as torch gives its own in-place ops and
+  torch.library.custom_op gives mutating ops. It refuses an inference tensor outside
+  torch.inference_mode() and bumps input's version counter, so autograd catches a tensor saved
+  for backward and modified afterwards.
+- index_add and gather: Autograd kernels over autograd.Function classes with setup_context,
+  backward and jvp, applied at the op's own dispatch level, so torch.autograd (reverse and forward
+  mode, higher orders) and torch.func (grad, vjp, jvp, jacrev, jacfwd, hessian, nested) all work.
+- vmap rules for index_add and gather: a batch of input / src rows is folded into the columns,
+  one kernel call for the whole batch, with the same bits per sample; a batched index or weight
+  loops over the batch.
+"""
+import torch
+import torch.autograd.forward_ad as _forward_ad
+from torch._functorch.utils import enable_single_level_autograd_function as _single_level_function
+
+from ._ops import ops
+
+_scatter_add_ = ops.scatter_add_.default
+_index_add = ops.index_add.default
+_gather = ops.gather.default
+
+_AFTER_ADINPLACEORVIEW = torch._C._after_ADInplaceOrView_keyset
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_increment_version = torch._C._increment_version
+_any_requires_grad = torch._C._any_requires_grad
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
+_functorch_active = torch._C._are_functorch_transforms_active
+
+_lib = torch.library.Library(_index_add.namespace, "FRAGMENT")
+
+
+# --- in place ------------------------------------------------------------------------------
+
+
+def check_not_inference(op: str, input: torch.Tensor) -> None:
+    if input.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{op}: Inplace update to inference tensor outside InferenceMode is not allowed: input was created "
+            "under torch.inference_mode(); clone it to get a normal tensor, or call this inside inference_mode")
+
+
+def _scatter_add_inplace_or_view(keyset, input, index, src, weight=None, ignore_index=None):
+    if input.is_inference():
+        check_not_inference("scatter_add", input)
+    _scatter_add_.redispatch(keyset & _AFTER_ADINPLACEORVIEW, input, index, src, weight, ignore_index)
+    _increment_version((input,))
+
+
+_lib.impl("scatter_add_", _scatter_add_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+
+
+# --- autograd ------------------------------------------------------------------------------
+
+
+def _below_autograd(op, *args):
+    """The kernel call of a forward: below this level's autograd, as torch's own autograd kernels
+    call theirs. Under torch.func the call goes on to the outer transform levels, which must see
+    the grad modes they run with, not the ones autograd.Function turned off for this level's
+    forward (torch.func's own autograd.Function support restores them the same way)."""
+    if _functorch_active():
+        with torch.enable_grad(), _forward_ad._set_fwd_grad_enabled(True), _BelowAutograd():
+            return op(*args)
+    with _BelowAutograd():
+        return op(*args)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    return (a.to(acc) * b.to(acc)).sum(dim=-1).to(dtype)
+
+
+class _IndexAddRule:
+    """out = input with weight[i] * src[i] added to row index[i]: forward, backward and jvp."""
+
+    @staticmethod
+    def forward(input, index, src, weight, ignore_index):
+        return _below_autograd(_index_add, input, index, src, weight, ignore_index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, index, src, weight, ignore_index = inputs
+        ctx.ignore_index = ignore_index
+        ctx.has_weight = weight is not None
+        ctx.input_shape = input.shape
+        ctx.save_for_backward(index, src, weight)
+        ctx.save_for_forward(index, src, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, src, weight = ctx.saved_tensors
+        need_input, _, need_src, need_weight, _ = ctx.needs_input_grad
+        grad_input = grad if need_input else None
+        grad_src = _gather(grad, index, weight, ctx.ignore_index) if need_src else None
+        grad_weight = None
+        if need_weight and ctx.has_weight:
+            grad_weight = _row_dot(_gather(grad, index, None, ctx.ignore_index), src, weight.dtype)
+        return grad_input, None, grad_src, grad_weight, None
+
+    @staticmethod
+    def jvp(ctx, t_input, t_index, t_src, t_weight, t_ignore):
+        # d(out) = d(input) + index_add(d(src) * weight) + index_add(src * d(weight))
+        index, src, weight = ctx.saved_tensors
+        t = t_input if t_input is not None else src.new_zeros(ctx.input_shape)
+        if t_src is not None:
+            t = _index_add(t, index, t_src, weight, ctx.ignore_index)
+        if t_weight is not None and ctx.has_weight:
+            t = _index_add(t, index, src, t_weight, ctx.ignore_index)
+        return t.clone(memory_format=torch.contiguous_format) if t is t_input else t
+
+
+class _GatherRule:
+    """out[i] = weight[i] * input[index[i]] (zero where index[i] == ignore_index): forward,
+    backward and jvp."""
+
+    @staticmethod
+    def forward(input, index, weight, ignore_index):
+        return _below_autograd(_gather, input, index, weight, ignore_index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, index, weight, ignore_index = inputs
+        ctx.ignore_index = ignore_index
+        ctx.has_weight = weight is not None
+        ctx.save_for_backward(input, index, weight)
+        ctx.save_for_forward(input, index, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, index, weight = ctx.saved_tensors
+        need_input, _, need_weight, _ = ctx.needs_input_grad
+        grad_input = None
+        if need_input:
+            grad_input = _index_add(torch.zeros_like(input), index, grad.to(input.dtype), weight, ctx.ignore_index)
+        grad_weight = None
+        if need_weight and ctx.has_weight:
+            grad_weight = _row_dot(_gather(input, index, None, ctx.ignore_index), grad, weight.dtype)
+        return grad_input, None, grad_weight, None
+
+    @staticmethod
+    def jvp(ctx, t_input, t_index, t_weight, t_ignore):
+        # d(out) = gather(d(input)) * weight + gather(input) * d(weight)
+        input, index, weight = ctx.saved_tensors
+        t = None
+        if t_input is not None:
+            t = _gather(t_input, index, weight, ctx.ignore_index)
+        if t_weight is not None and ctx.has_weight:
+            tw = _gather(input, index, t_weight, ctx.ignore_index)
+            t = tw if t is None else t + tw
+        return t if t is not None else input.new_zeros((index.shape[0], input.shape[1]))
+
+
+class IndexAdd(_IndexAddRule, torch.autograd.Function):
+    pass
+
+
+class Gather(_GatherRule, torch.autograd.Function):
+    pass
+
+
+# Under torch.func this runs as the op's Autograd kernel on the transform's wrapped tensors of this
+# level, and autograd records on them directly, as it does for torch's own ops. So the rule is
+# applied as a single-level function (the kind torch.func builds for each level of an
+# autograd.Function it is handed): an autograd.Function's apply would hand itself to torch.func
+# again, which can only take it from outside the dispatcher.
+class _IndexAddOneLevel(_IndexAddRule, torch.autograd.function._SingleLevelFunction):
+    pass
+
+
+class _GatherOneLevel(_GatherRule, torch.autograd.function._SingleLevelFunction):
+    pass
+
+
+_ONE_LEVEL = {IndexAdd: _IndexAddOneLevel, Gather: _GatherOneLevel}
+
+
+def _apply(fn, *args):
+    if _functorch_active():
+        with _single_level_function():
+            return _ONE_LEVEL[fn].apply(*args)
+    return fn.apply(*args)
+
+
+def forward_ad_active() -> bool:
+    """Inside a forward-mode dual level (torch.autograd.forward_ad, torch.func.jvp / jacfwd), where
+    inputs may carry tangents."""
+    return _forward_ad._current_level >= 0
+
+
+def _differentiable(*tensors) -> bool:
+    return (torch.is_grad_enabled() and _any_requires_grad(*tensors)) or forward_ad_active()
+
+
+def _index_add_autograd(keyset, input, index, src, weight=None, ignore_index=None):
+    if _differentiable(input, src, weight):
+        return _apply(IndexAdd, input, index, src, weight, ignore_index)
+    with _BelowAutograd():
+        return _index_add.redispatch(keyset & _AFTER_AUTOGRAD, input, index, src, weight, ignore_index)
+
+
+def _gather_autograd(keyset, input, index, weight=None, ignore_index=None):
+    if _differentiable(input, weight):
+        return _apply(Gather, input, index, weight, ignore_index)
+    with _BelowAutograd():
+        return _gather.redispatch(keyset & _AFTER_AUTOGRAD, input, index, weight, ignore_index)
+
+
+_lib.impl("index_add", _index_add_autograd, "Autograd", with_keyset=True)
+_lib.impl("gather", _gather_autograd, "Autograd", with_keyset=True)
+
+
+# --- vmap ----------------------------------------------------------------------------------
+
+
+def _rows_by_batch(t, bdim, batch):
+    """[N, D] or [N, D] batched at bdim -> [N, batch * D], sample b in columns b*D .. b*D + D - 1."""
+    t = t.unsqueeze(1).expand(t.shape[0], batch, t.shape[1]) if bdim is None else t.movedim(bdim, 1)
+    return t.reshape(t.shape[0], batch * t.shape[2])
+
+
+def _select(t, bdim, b):
+    return t if t is None or bdim is None else t.select(bdim, b)
+
+
+def _index_add_vmap(info, in_dims, input, index, src, weight=None, ignore_index=None):
+    input_bdim, index_bdim, src_bdim, weight_bdim = (tuple(in_dims) + (None,) * 4)[:4]
+    batch = info.batch_size
+    if index_bdim is None and weight_bdim is None:
+        rows = _rows_by_batch(input, input_bdim, batch)
+        out = _index_add(rows, index, _rows_by_batch(src, src_bdim, batch), weight, ignore_index)
+        return out.view(rows.shape[0], batch, rows.shape[1] // batch), 1
+    outs = [_index_add(_select(input, input_bdim, b), _select(index, index_bdim, b), _select(src, src_bdim, b),
+                       _select(weight, weight_bdim, b), ignore_index) for b in range(batch)]
+    return torch.stack(outs), 0
+
+
+def _gather_vmap(info, in_dims, input, index, weight=None, ignore_index=None):
+    input_bdim, index_bdim, weight_bdim = (tuple(in_dims) + (None,) * 3)[:3]
+    batch = info.batch_size
+    if index_bdim is None and weight_bdim is None:
+        rows = _rows_by_batch(input, input_bdim, batch)
+        out = _gather(rows, index, weight, ignore_index)
+        return out.view(index.shape[0], batch, rows.shape[1] // batch), 1
+    outs = [_gather(_select(input, input_bdim, b), _select(index, index_bdim, b), _select(weight, weight_bdim, b),
+                    ignore_index) for b in range(batch)]
+    return torch.stack(outs), 0
+
+
+torch.library.register_vmap(_index_add, _index_add_vmap, lib=_lib)
+torch.library.register_vmap(_gather, _gather_vmap, lib=_lib)
