@@ -1,11 +1,12 @@
 // The choice of strategy (see strategy.h): a forced one (Options, set_strategy, the environment),
-// else the cheapest by a cost model in nanoseconds whose constants live in policy.h.
-//
-//   direct   K * entry + src streamed once + each touched out row re-read and re-written per
-//            contribution (from cache while the touched rows fit, at random rows beyond)
-//            + for bf16/fp16 with repeated rows, the float32 scratch (bitmap of N, copy in/out)
-//   planned  the sort (count: N + K; radix: K per digit) + K * entry + R * row + src rows read at
-//            random + each touched out row read and written once
+// else direct for a sorted index, else the cheapest by a cost model in nanoseconds whose
+// constants live in policy.h:
+//   direct   K * entry + src streamed once + a destination row read and written per
+//            contribution (in cache while the touched rows fit, a row from memory each beyond);
+//            bf16/fp16 add their float32 scratch (dense: all N rows copied in, touched ones back;
+//            sparse: bitmaps of N, repeated rows' slots)
+//   planned  the sort (count: N + K; radix: K per 11-bit digit) + K * entry + R * row + source
+//            rows read at random + each touched row read and written once
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -100,18 +101,19 @@ namespace {
 
 using P = CpuPolicy;
 
-// Reading `rows` rows of `row_bytes` at random places of an array of `array_bytes`.
-double random_rows_ns(double rows, double row_bytes, double array_bytes) {
-  if (array_bytes <= static_cast<double>(P::kCacheBytes)) return rows * row_bytes * P::kNsPerByteStream;
-  return rows * std::max(row_bytes, 64.0) * P::kNsPerByteRandom;
+// Reading and writing `count` rows of `row_bytes` at random places of a working set of `ws`
+// bytes: in cache, or a row fetched from memory each.
+double rmw_ns(double count, double row_bytes, double ws) {
+  if (ws <= P::kCacheBytes) return count * 2.0 * row_bytes * P::kNsPerByteCached;
+  return count * (P::kNsPerRandomRow + 2.0 * row_bytes * P::kNsPerByteMemory);
 }
 
 double plan_ns(int64_t n, int64_t k, bool radix) {
   if (!radix) return P::kCountNsPerRow * static_cast<double>(n) + P::kCountNsPerEntry * static_cast<double>(k);
   int bits = 0;
   while (bits < 63 && (int64_t(1) << bits) < n) ++bits;
-  const int passes = (bits + P::kRadixDigitBits - 1) / P::kRadixDigitBits;
-  const int digit = passes > 0 ? (bits + passes - 1) / passes : 0;
+  const int passes = std::max(1, (bits + P::kRadixDigitBits - 1) / P::kRadixDigitBits);
+  const int digit = (bits + passes - 1) / passes;
   return passes * (P::kRadixNsPerEntryPass * static_cast<double>(k) +
                    P::kRadixNsPerBucket * static_cast<double>(int64_t(1) << digit));
 }
@@ -120,36 +122,44 @@ double plan_ns(int64_t n, int64_t k, bool radix) {
 
 bool plan_prefers_radix(int64_t n, int64_t k) { return plan_ns(n, k, true) < plan_ns(n, k, false); }
 
+// The terms, for an index of k uniform draws from n rows (lambda = k / n contributions per row):
+// R = n (1 - e^-lambda) rows touched, R2 = n (1 - e^-lambda (1 + lambda)) touched more than once,
+// k e^-lambda contributions alone in their row. rb = D * element size, ab = D * accumulator size.
 double estimate_ns(const AddShape& s, Strategy strategy) {
-  const double n = static_cast<double>(s.n), k = static_cast<double>(s.k);
+  const double n = static_cast<double>(std::max<int64_t>(s.n, 1)), k = static_cast<double>(s.k);
   const double es = static_cast<double>(dtype_size(s.dtype));
-  const double rb = static_cast<double>(s.d) * es;
-  // Expected distinct rows of k uniform draws from n (an upper bound for skewed indices' cost).
-  const double r = s.n > 0 ? n * -std::expm1(-k / n) : 0.0;
+  const double rb = static_cast<double>(s.d) * es, ab = static_cast<double>(s.d) * 4.0;
+  const double lambda = k / n;
+  const double r = n * -std::expm1(-lambda);
+  const double r2 = n * (1.0 - std::exp(-lambda) * (1.0 + lambda));
   const double src_stream = k * rb * P::kNsPerByteStream;
   if (strategy == Strategy::direct) {
-    double ns = k * P::kDirectNsPerEntry + src_stream;
-    const double touched = r * rb;
-    if (touched <= static_cast<double>(P::kCacheBytes))
-      ns += 2.0 * random_rows_ns(r, rb, n * rb) + 2.0 * (k - r) * rb * P::kNsPerByteStream;
-    else
-      ns += 2.0 * random_rows_ns(k, rb, n * rb);
-    if (es == 2 && k - r >= 1.0)  // repeated rows: the float32 scratch
-      ns += n * P::kScratchNsPerRow + r * (rb + 2.0 * rb) * 2.0 * P::kNsPerByteStream;
-    return ns;
+    if (es != 2)  // the destination row itself accumulates
+      return k * P::kDirectNsPerEntry + src_stream + rmw_ns(k, rb, r * rb);
+    if (s.n <= s.k)  // dense scratch: every row copied in, touched rows copied back
+      return k * P::kDirect16NsPerEntry + src_stream + n * (rb + ab) * P::kNsPerByteStream +
+             rmw_ns(k, ab, n * ab) + r * (ab + rb) * P::kNsPerByteStream;
+    // sparse scratch: single contributions in place, repeated rows in the scratch
+    const double single = k * std::exp(-lambda);
+    return k * P::kDirect16SparseNsPerEntry + n * P::kBitmapNsPerRow + src_stream + rmw_ns(single, rb, n * rb) +
+           rmw_ns(k - single, ab, r2 * ab) + r2 * (ab + rb) * 2.0 * P::kNsPerByteStream;
   }
   const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
-  return plan_ns(s.n, s.k, radix) + k * P::kPlannedNsPerEntry + r * P::kPlannedNsPerRow +
-         random_rows_ns(k, rb, k * rb) + 2.0 * random_rows_ns(r, rb, n * rb);
+  const double src = k * rb <= P::kCacheBytes ? k * rb * P::kNsPerByteCached
+                                              : k * (P::kNsPerRandomSourceRow + rb * P::kNsPerByteMemory);
+  return plan_ns(s.n, s.k, radix) + k * P::kPlannedNsPerEntry + r * P::kPlannedNsPerRow + src +
+         2.0 * r * rb * P::kNsPerByteStream;
 }
 
-Strategy choose_add(const AddShape& s, const Options& o) {
+Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {
   if (o.strategy != Strategy::automatic) return o.strategy;
   const Strategy forced = get_strategy();
   if (forced != Strategy::automatic) return forced;
-  const bool radix = plan_prefers_radix(s.n, s.k);
-  const Strategy planned = radix ? Strategy::radix : Strategy::count;
-  return estimate_ns(s, Strategy::direct) <= estimate_ns(s, planned) ? Strategy::direct : planned;
+  if (sorted) return Strategy::direct;
+  const double direct = estimate_ns(s, Strategy::direct), count = estimate_ns(s, Strategy::count),
+               radix = estimate_ns(s, Strategy::radix);
+  if (direct <= count && direct <= radix) return Strategy::direct;
+  return count <= radix ? Strategy::count : Strategy::radix;
 }
 
 }  // namespace cpu

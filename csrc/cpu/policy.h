@@ -1,7 +1,6 @@
-// The CPU cost model's constants, in one place. Each cites the measurement behind it; they were
-// taken on a 2-core Xeon (Sapphire Rapids, AVX-512 + AVX-512 BF16) with the C++ microbenchmark
-// (`.build/release/benchmarks/bench_scatter_add --strategies`, forced strategies), single thread
-// unless stated. They rank strategies; they need not be exact, only right about which is cheaper.
+// The CPU tuning constants and the cost model's constants, in one place, each with the
+// measurement behind it. The cost model ranks strategies; it need not be exact, only right about
+// which is cheaper.
 #pragma once
 
 #include <cstdint>
@@ -23,32 +22,38 @@ struct CpuPolicy {
   static constexpr int64_t kRowCost = 2;
   static constexpr int64_t kColumnAlign = 64;
 
-  // --- plan building -------------------------------------------------------------------------
-  // Counting sort: zeroing and scanning the N-row histogram, and per kept entry (count + place).
-  static constexpr double kCountNsPerRow = 1.0;
-  static constexpr double kCountNsPerEntry = 3.0;
-  // Radix sort: digits of at most kRadixDigitBits bits; per entry and pass (count + scatter),
-  // and per bucket and pass (clear + prefix).
+  // --- the cost model (choose.cpp), nanoseconds on one thread ----------------------------------
+  // Fitted to `bench_scatter_add --calibrate` (140 shapes: D 1..4096 x N/K 1/100..100 x float32 /
+  // bfloat16 x uniform / power-law index, every strategy timed in thread CPU time) on a 2-core
+  // Xeon (Sapphire Rapids) by minimising the regret of the pick (its time over the best
+  // strategy's). `bench_scatter_add --evaluate FILE.csv` re-scores a saved calibration:
+  // geometric-mean regret 1.04x, worst 2.2x, where timings of one shape vary by up to 1.5x
+  // between runs.
+  // Per index entry: the direct walk (float32/float64; bf16/fp16 with a dense scratch; bf16/fp16
+  // with a sparse one) and the planned walk; per destination row of the planned walk.
+  static constexpr double kDirectNsPerEntry = 1.8;
+  static constexpr double kDirect16NsPerEntry = 7.1;
+  static constexpr double kDirect16SparseNsPerEntry = 30.0;
+  static constexpr double kPlannedNsPerEntry = 0.0;
+  static constexpr double kPlannedNsPerRow = 19.5;
+  // Per byte: streamed from memory, read and written in cache, read or written at a random row in
+  // memory (plus a fixed cost per such row, for destination rows and for source rows).
+  static constexpr double kNsPerByteStream = 0.062;
+  static constexpr double kNsPerByteCached = 0.018;
+  static constexpr double kNsPerByteMemory = 0.074;
+  static constexpr double kNsPerRandomRow = 9.6;
+  static constexpr double kNsPerRandomSourceRow = 66.0;
+  // The working set that counts as cached.
+  static constexpr double kCacheBytes = 660e3;
+  // Sparse scratch: per row of N (two bitmaps and their ranks).
+  static constexpr double kBitmapNsPerRow = 0.041;
+  // Plan building. Counting sort: per row of N and per entry. Radix sort: digits of at most
+  // kRadixDigitBits bits; per entry and pass, per bucket and pass.
+  static constexpr double kCountNsPerRow = 0.75;
+  static constexpr double kCountNsPerEntry = 0.63;
   static constexpr int kRadixDigitBits = 11;
-  static constexpr double kRadixNsPerEntryPass = 2.5;
-  static constexpr double kRadixNsPerBucket = 1.0;
-
-  // --- strategy choice -----------------------------------------------------------------------
-  // Per contribution: the direct walk's fixed cost, and the planned walk's (sources, offsets).
-  static constexpr double kDirectNsPerEntry = 1.5;
-  static constexpr double kPlannedNsPerEntry = 2.0;
-  // Per destination row of the planned walk (row pointer, accumulator load and store).
-  static constexpr double kPlannedNsPerRow = 2.0;
-  // Per byte moved to or from memory, streamed and at random rows (a row of a few cache lines
-  // read at a random place costs more per byte than a stream).
-  static constexpr double kNsPerByteStream = 0.1;
-  static constexpr double kNsPerByteRandom = 0.25;
-  // The direct walk re-reads and re-writes a destination row per contribution: from cache while
-  // the touched rows fit in kCacheBytes, from memory beyond.
-  static constexpr int64_t kCacheBytes = 8 << 20;
-  // bf16/fp16 rows hit by several contributions take the scratch (float32) form of the direct
-  // walk: per row of N (bitmap and rank) and per touched row byte (copy in and out).
-  static constexpr double kScratchNsPerRow = 0.05;
+  static constexpr double kRadixNsPerEntryPass = 2.6;
+  static constexpr double kRadixNsPerBucket = 0.6;
 
   // Direct with several threads: split columns when each thread gets at least this many bytes
   // of every row (whole cache lines, and a balanced split whatever the index), rows otherwise.

@@ -65,10 +65,13 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
   std::vector<float> wf;
   std::vector<double> wd;
   as_op(op, [&] {
-    const Strategy s = cpu::choose_add({out.rows, index.size, out.cols, out.dtype}, options);
+    // Every index value is checked before the first write; the pass also tells a sorted index.
+    const cpu::IndexScan scan = cpu::scan_index(index, out.rows, options.ignore_index, nullptr, nullptr, nullptr, 0, true);
+    const Strategy s = cpu::choose_add({out.rows, index.size, out.cols, out.dtype}, options, scan.sorted);
+    if (out.cols == 0 || scan.kept == 0) return;
     const void* w = cpu::weights_as_acc(weight, out.dtype, &wf, &wd);
     if (s == Strategy::direct) {
-      cpu::run_direct(out, index, src, w, options);
+      cpu::run_direct(out, index, src, w, options, scan);
     } else {
       const Plan plan = Plan::build(index, out.rows, options.ignore_index, s);
       cpu::run_planned(out, plan, src, w, options);

@@ -24,19 +24,22 @@ struct AddShape {
   int64_t n, k, d;  // out rows, index entries, columns
   DType dtype;
 };
-// The strategy index_add_rows runs: Options::strategy, else get_strategy(), else the cheapest
-// by the cost model (policy.h). Never automatic.
-Strategy choose_add(const AddShape& s, const Options& o);
+// The strategy index_add_rows runs: Options::strategy, else get_strategy(), else direct for a
+// sorted index (its runs walk needs no sort), else the cheapest by the cost model (policy.h).
+// Never automatic.
+Strategy choose_add(const AddShape& s, const Options& o, bool sorted = false);
 // Estimated nanoseconds of each strategy for the shape, single thread (for the benchmark's
 // report and the tests of the chooser).
 double estimate_ns(const AddShape& s, Strategy strategy);
 // Which sort a plan of k entries into n rows uses by cost.
 bool plan_prefers_radix(int64_t n, int64_t k);
 
-// out[index[i]] += w[i] * src[i] without a plan (strategy_direct.cpp). w is in the accumulator
-// type (weights_as_acc) or null.
+// out[index[i]] += w[i] * src[i] without a plan (strategy_direct.cpp), after `scan` validated
+// the index (and found whether it is sorted). w is in the accumulator type (weights_as_acc) or
+// null.
+struct IndexScan;
 void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
-                const Options& o);
+                const Options& o, const IndexScan& scan);
 // The same over a plan's rows (strategy_planned.cpp).
 void run_planned(const Matrix& out, const Plan& plan, const ConstMatrix& src, const void* w,
                  const Options& o);

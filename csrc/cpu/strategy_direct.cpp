@@ -71,7 +71,7 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
 }  // namespace
 
 void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
-                const Options& o) {
+                const Options& o, const IndexScan& first) {
   const int64_t n = out.rows, k = index.size, d = out.cols;
   const size_t es = dtype_size(out.dtype);
   const bool narrow = es == 2;
@@ -86,8 +86,6 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   const bool split_rows = nt > 1 && !split_columns;
   const int shift = block_shift_for(n);
 
-  // Validation first (nothing is written before it); a sorted index takes the runs walk.
-  const IndexScan first = scan_index(index, n, o.ignore_index, nullptr, nullptr, nullptr, 0, true);
   if (d == 0 || first.kept == 0) return;
   if (first.sorted) {
     run_sorted(out, index, src, w, o, nt, split_columns);
