@@ -105,6 +105,7 @@ bench-cpp: cpp
 
 bench: hub
 	$(PY) benchmarks/bench_torch.py
+	$(PY) benchmarks/bench_sweep.py
 
 # The extension built without Python's headers (for machines without python3-dev) imports and runs.
 hub-no-python-h: venv
@@ -112,6 +113,7 @@ hub-no-python-h: venv
 
 bench-quick: hub
 	$(PY) benchmarks/bench_torch.py --quick --out .build/bench-quick
+	$(PY) benchmarks/bench_sweep.py --quick --out .build/bench-quick
 	$(PY) benchmarks/bench_cuda.py --smoke --out .build/bench-cuda-smoke
 
 clean:
