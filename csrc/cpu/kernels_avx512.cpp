@@ -82,10 +82,8 @@ struct Avx512BF16 : Avx512F32 {
     // those (rare) lanes take the integer rounding, so every level gives the same bits.
     const __m256bh h = _mm512_cvtneps_pbh(v);
     __m256i out = reinterpret_cast<const __m256i&>(h);
-    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
-    const __mmask16 sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)),
-                                                  _mm512_set1_epi32(0x007FFFFF));
-    const __mmask16 fix = sub | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    // VFPCLASSPS 0xA1: quiet NaN (0x01), subnormal (0x20), signalling NaN (0x80).
+    const __mmask16 fix = _mm512_fpclass_ps_mask(v, 0xA1);
     if (fix != 0) out = _mm256_mask_mov_epi16(out, fix, _mm512_cvtepi32_epi16(bf16_by_integer(v)));
     return out;
 #else
