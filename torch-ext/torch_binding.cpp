@@ -51,6 +51,17 @@ PyObject* PyModule_Create2(PyModuleDef* def, int apiver);
 #error "compile with -DTORCH_TARGET_VERSION=<(major << 56) | (minor << 48)>, the oldest torch to support"
 #endif
 
+// torch >= 2.14's headers reach shim functions newer than the target through dlsym (on their
+// error path). glibc 2.34 moved dlsym into libc under a new symbol version, which a module linked
+// here would require; every glibc still exports the original version (libdl's before 2.34, a
+// compatibility alias in libc since), so the reference is bound to that one. See also
+// manylinux_compat.cpp.
+#if defined(__GLIBC__) && defined(__x86_64__)
+__asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
+#elif defined(__GLIBC__) && defined(__aarch64__)
+__asm__(".symver dlsym,dlsym@GLIBC_2.17");
+#endif
+
 #if defined(SCATTER_ADD_CUDA) || defined(CUDA_KERNEL)
 #define SA_WITH_CUDA 1
 #ifndef USE_CUDA
