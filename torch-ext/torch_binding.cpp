@@ -77,6 +77,7 @@ __asm__(".symver dlsym,dlsym@GLIBC_2.17");
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <utility>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -236,62 +237,37 @@ void check_args(const char* op, const Info& input, const Info& index, const Info
   }
 }
 
-// --- overlap, decided on the bytes each view touches --------------------------------------------
+// --- overlap, decided on the elements each view touches (the core's views_may_overlap) ----------
 
-// A strided view as rows of contiguous bytes: row r covers [base + r * step, + width).
-struct ByteRows {
-  intptr_t base = 0;
-  int64_t rows = 0, width = 0, step = 0;
-};
+// A same-sized core dtype for an element size (the overlap test only counts bytes).
+sa::DType sized_dtype(int64_t es) {
+  return es == 8 ? sa::DType::f64 : es == 4 ? sa::DType::f32 : sa::DType::f16;
+}
 
-// The rows of a 1-D or 2-D tensor whose innermost dimension (after a possible transpose) is dense;
-// any other layout is covered by its whole byte span, which can only over-report overlap.
-ByteRows byte_rows(const Info& i) {
+// A 1-D or 2-D tensor as the row-major view the core's overlap test takes: rows along the outer
+// dimension when the inner one is dense, along the inner one for a transpose, one element per row
+// for a strided 1-D tensor; any other layout is its whole byte span, which can only over-report.
+sa::ConstMatrix overlap_view(const Info& i) {
   const int64_t es = element_size(i.dtype);
-  const intptr_t base = reinterpret_cast<intptr_t>(i.data());
+  const sa::DType dt = sized_dtype(es);
+  const void* data = i.data();
   int64_t n0 = 1, s0 = 0, n1 = 1, s1 = 1;
   if (i.dim == 1) {
     n1 = i.size[0], s1 = i.stride[0];
-  } else if (i.dim == 2) {
+  } else {
     n0 = i.size[0], s0 = i.stride[0], n1 = i.size[1], s1 = i.stride[1];
   }
-  if (n0 == 0 || n1 == 0) return {base, 0, 0, 0};
-  if (n1 == 1) n1 = n0, s1 = s0, n0 = 1;           // a column: a 1-D run
-  if (n0 > 1 && s1 != 1 && s0 == 1) {              // a transpose: rows along the other dimension
+  if (n0 == 0 || n1 == 0) return {data, 0, 0, 0, dt};
+  if (n1 == 1) n1 = n0, s1 = s0, n0 = 1, s0 = 0;  // a column: one run
+  if (n0 > 1 && s1 != 1 && s0 == 1) {             // a transpose
     std::swap(n0, n1);
     std::swap(s0, s1);
   }
-  if (n0 == 1 || s0 == 0) n0 = 1, s0 = 0;           // one row (or every row the same)
-  if (n1 == 1 || s1 == 1) return {base, n0, n1 * es, s0 * es};
-  if (n0 == 1 && s1 > 0) return {base, n1, es, s1 * es};  // a strided 1-D run: one element per row
-  if (n0 == 1) return {base, 1, es, 0};                    // an expanded 1-D run
-  // Anything else: its byte span (strides are never negative in torch).
-  const int64_t extent = ((n0 - 1) * s0 + (n1 - 1) * s1 + 1) * es;
-  return {base, 1, extent, 0};
-}
-
-int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
-int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
-
-// True when the two views may share a byte: exact when both have the same row step (or one row),
-// otherwise their byte spans are compared.
-bool may_overlap(ByteRows a, ByteRows b) {
-  if (a.rows == 0 || b.rows == 0 || a.width == 0 || b.width == 0) return false;
-  if (a.rows == 1) a.step = b.step;
-  if (b.rows == 1) b.step = a.step;
-  if (a.step != b.step || a.step == 0) {
-    const intptr_t a_end = a.base + (a.rows - 1) * a.step + a.width;
-    const intptr_t b_end = b.base + (b.rows - 1) * b.step + b.width;
-    return a.base < b_end && b.base < a_end;
-  }
-  // Byte x of b's row j equals byte y of a's row i when d + j*s + x == i*s + y (d = b.base - a.base).
-  // With d = q*s + r (0 <= r < s) and k = i - j - q this needs k*s - r in [-(a.width-1), b.width-1]
-  // and i - j = k + q in [-(b.rows-1), a.rows-1]: an interval test on k.
-  const int64_t s = a.step, d = static_cast<int64_t>(b.base - a.base);
-  const int64_t q = floor_div(d, s), r = d - q * s;
-  const int64_t k_lo = std::max(ceil_div(r - (a.width - 1), s), -(b.rows - 1) - q);
-  const int64_t k_hi = std::min(floor_div(r + b.width - 1, s), (a.rows - 1) - q);
-  return k_lo <= k_hi;
+  if (n0 == 1 || s0 == 0) n0 = 1;  // one row (or every row the same)
+  if (n1 == 1 || s1 == 1) return {data, n0, n1, n0 > 1 ? s0 : n1, dt};
+  if (n0 == 1 && s1 > 0) return {data, n1, 1, s1, dt};  // a strided run: one element per row
+  const int64_t extent = (n0 - 1) * s0 + (n1 - 1) * s1 + 1;  // strides are never negative in torch
+  return {data, 1, extent, extent, dt};
 }
 
 // The destination of an in-place op: no two of its elements may be one memory location (an
@@ -320,7 +296,7 @@ void check_writable(const char* op, const Info& input) {
 }
 
 void check_no_overlap(const char* op, const Info& input, const Info& other, const char* other_name) {
-  if (may_overlap(byte_rows(input), byte_rows(other)))
+  if (sa::views_may_overlap(overlap_view(input), overlap_view(other)))
     fail(Kind::value, op, other_name, " memory overlaps input (in-place aliasing is not supported)");
 }
 
