@@ -9,10 +9,11 @@
 //   gather(Tensor input, Tensor index, Tensor? weight, int? ignore_index) -> Tensor
 //
 // Errors. Through the stable ABI a kernel can only raise RuntimeError, so every error this file
-// raises is a std::runtime_error whose message is "<Kind>: <op>: <what>", with <Kind> one of
-// IndexError (bad index values), ValueError (shapes, dtypes, devices, strides, overlap, bad argument
-// values) or TypeError; the Python API turns the tag back into that exception type. Every check runs
-// before the first write, so input is untouched after any error.
+// raises is a std::runtime_error whose message is "<Kind>: <op>: <what>": IndexError for bad index
+// values, ValueError for shapes, dtypes, devices, strides, overlap and bad argument values (a
+// wrong argument type, the third kind the Python API knows, is refused by torch's schema check
+// before a kernel runs). Python sees exactly that message; the Python API re-raises it as <Kind>.
+// Every check runs before the first write, so input is untouched after any error.
 #if defined(SCATTER_ADD_NO_PYTHON_H)
 // No Python headers on the build machine (python3-dev missing, as it may be on a GPU image): the
 // few declarations the empty module below needs, as the stable ABI (abi3) has fixed them since
@@ -77,11 +78,11 @@ __asm__(".symver dlsym,dlsym@GLIBC_2.17");
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
-#include <utility>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "scatter_add/scatter_add.h"
 
@@ -166,7 +167,11 @@ struct DTypeName {
   const Info& i;
 };
 std::ostream& operator<<(std::ostream& s, DTypeName x) {
-  return s << torch::headeronly::toString(x.i.t->scalar_type());
+  try {
+    return s << torch::headeronly::toString(x.i.t->scalar_type());
+  } catch (const std::exception&) {  // a dtype newer than the target version's headers
+    return s << "dtype code " << x.i.dtype;
+  }
 }
 struct DeviceName {
   const Info& i;
