@@ -3,10 +3,10 @@
 
     .venv/bin/python scripts/bench_call_overhead.py [--so NAME=PATH ...] [--rounds 15] [--calls 2000]
 
-Loads build/'s variant through the kernels loader (and any extra builds given with --so, e.g. an
-older build to compare against), then times each op in rounds, interleaved so that machine noise
-hits every column alike. Prints the median and the spread (min..max) of the per-round means, in
-microseconds per call.
+Loads build/'s variant through the kernels loader (and any extra builds given with --so, e.g. a
+build of another revision, to compare against), then times each op in rounds, interleaved so that
+machine noise hits every column alike. Prints the median and the spread (min..max) of the
+per-round means, in microseconds per call.
 """
 import argparse
 import statistics
@@ -40,7 +40,6 @@ def main() -> None:
             f"ops.scatter_add_ ({sa.ops.__name__.split('.')[-1]})": lambda: sa.ops.scatter_add_(x, idx, src, None, None)}
     for spec in args.so:
         name, path = spec.split("=", 1)
-        before = set(torch.ops._dir if hasattr(torch.ops, "_dir") else [])
         torch.ops.load_library(path)
         ns = Path(path).name.split(".")[0]
         op = getattr(torch.ops, ns).scatter_add_
