@@ -17,6 +17,15 @@
 std::string scatter_add_stringbuf_str_3_4_21(const std::stringbuf* self) __asm__(
     "_ZNKSt7__cxx1115basic_stringbufIcSt11char_traitsIcESaIcEE3strEv");
 
+// glibc 2.29 gave exp a new symbol version (the same function without the old SVID error
+// handling); the original version is still exported by every glibc.
+extern "C" double scatter_add_exp_glibc_2_2_5(double);
+#if defined(__x86_64__)
+__asm__(".symver scatter_add_exp_glibc_2_2_5,exp@GLIBC_2.2.5");
+#elif defined(__aarch64__)
+__asm__(".symver scatter_add_exp_glibc_2_2_5,exp@GLIBC_2.17");
+#endif
+
 extern "C" {
 
 // glibc 2.32's __libc_single_threaded: libstdc++'s inline reference counting (std::shared_ptr,
@@ -38,5 +47,8 @@ __attribute__((used)) void scatter_add_stringstream_construct(void* self) {
 __attribute__((used)) std::string scatter_add_stringbuf_str(const std::stringbuf* self) {
   return scatter_add_stringbuf_str_3_4_21(self);
 }
+
+// exp (GLIBC_2.29): the original version, for the core's cost model.
+__attribute__((used)) double scatter_add_exp(double x) { return scatter_add_exp_glibc_2_2_5(x); }
 
 }  // extern "C"

@@ -235,8 +235,7 @@ void check_args(const char* op, const Info& input, const Info& index, const Info
       fail(Kind::value, op, "weight must be 1-D with ", k, " entries (one per index), got shape ",
            Shape{*weight});
     if (!is_data_dtype(weight->dtype))
-      fail(Kind::value, op, "weight must be a float tensor (float32, float64, bfloat16 or float16), got ",
-           DTypeName{*weight});
+      fail(Kind::value, op, "weight must be float32, float64, bfloat16 or float16, got ", DTypeName{*weight});
     if (!weight->same_device(input))
       fail(Kind::value, op, "weight is on ", DeviceName{*weight}, " but input is on ", DeviceName{input});
   }

@@ -52,7 +52,9 @@ def test_bad_values_are_value_error_tags(sa, op):
     raises_tagged(lambda: call(sa, op, x.int(), idx, src.int()), "ValueError", name,
                   "input must be float32, float64, bfloat16 or float16, got Int", x)
     raises_tagged(lambda: call(sa, op, x, idx, src, weight=torch.ones(3, dtype=torch.long)), "ValueError", name,
-                  "weight must be a float tensor (float32, float64, bfloat16 or float16), got Long", x)
+                  "weight must be float32, float64, bfloat16 or float16, got Long", x)
+    raises_tagged(lambda: call(sa, op, x, idx, src, weight=torch.ones(3).to(torch.float8_e4m3fn)), "ValueError",
+                  name, "weight must be float32, float64, bfloat16 or float16, got Float8_e4m3fn", x)
     raises_tagged(lambda: call(sa, op, x, idx, src, weight=torch.ones(2)), "ValueError", name,
                   "weight must be 1-D with 3 entries (one per index), got shape [2]", x)
     if op != "gather":
