@@ -9,6 +9,7 @@ BUILD := .build/release
 JOBS ?= $(shell nproc)
 
 .PHONY: all deps venv cpp hub-no-python-h test test-cpp test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
+.PHONY: test-python-venv-cuda compat
 
 all: cpp
 
@@ -30,13 +31,15 @@ cpp: deps
 test-cpp: cpp
 	ctest --test-dir $(BUILD) --output-on-failure
 
+# build/torch-stable-abi<XY>-cpu-<arch>-linux: built on torch's stable ABI, it loads on every torch
+# from the version build.toml names on (tests/python/test_stable_abi.py checks the binary).
 hub: deps venv
 	$(PY) scripts/build_hub.py --jobs $(JOBS)
 
 test-python: hub
 	$(PY) -m pytest tests/python -q
 
-test: test-cpp test-sanitizers test-python bench-quick hub-no-python-h cuda cuda-hub
+test: test-cpp test-sanitizers test-python test-python-venv-cuda bench-quick hub-no-python-h cuda cuda-hub
 
 # Sanitizers (clang's runtimes from Debian): the whole C++ suite under ASan + UBSan, the threaded
 # path (std::thread backend, which TSan can see into) under TSan, and the fuzz corpus replayed.
@@ -79,21 +82,37 @@ else
 	.build/cuda-asan/cuda_host_sim
 endif
 
-# The cu<ver> hub variant, built against pip's CUDA torch in its own venv (compile and link only).
+# A second torch, pip's CUDA build (no GPU needed), in its own venv with the test requirements:
+# the hub variants are loaded and tested on it too.
 CUDA_TORCH ?= torch==2.14.1
 VENV_CUDA := .venv-cuda
-$(VENV_CUDA)/.installed:
+$(VENV_CUDA)/.installed: requirements.txt
 	@test -x $(VENV_CUDA)/bin/python || $(PYTHON) -m venv $(VENV_CUDA)
-	$(VENV_CUDA)/bin/python -m pip install -q $(CUDA_TORCH)
+	grep -vE '^(torch|matplotlib)==' requirements.txt > $(VENV_CUDA)/requirements-test.txt
+	$(VENV_CUDA)/bin/python -m pip install -q $(CUDA_TORCH) -r $(VENV_CUDA)/requirements-test.txt
 	@touch $@
+
+# The CPU stable variant on that torch through the loader (backend="cpu"), under the Python suite
+# (all but the 4.3 GB test, which test-python runs).
+test-python-venv-cuda: hub $(VENV_CUDA)/.installed
+	SCATTER_ADD_BACKEND=cpu $(VENV_CUDA)/bin/python -m pytest tests/python -q \
+	  --deselect tests/python/test_errors.py::test_huge_tensor_offsets_past_2_31
+
+# The cu<ver> hub variant, built against that torch (compile and link only), then the binary
+# checks of every variant in build/ and the CUDA variant's registrations through the loader.
 cuda-hub: deps
 ifeq ($(NVCC),)
 	@echo "cuda-hub: nvcc not found on this machine; the CUDA variant was NOT built"
 else
 	$(MAKE) $(VENV_CUDA)/.installed
 	$(VENV_CUDA)/bin/python scripts/build_hub.py --cuda --jobs $(JOBS)
-	$(VENV_CUDA)/bin/python -c "import torch, glob; torch.ops.load_library(glob.glob('build/*-cu*-*/*.abi3.so')[0]); print('cuda variant loads')"
+	$(VENV_CUDA)/bin/python -m pytest tests/python/test_stable_abi.py -q
 endif
+
+# make compat TORCH=2.15.0: the CPU stable variant on another torch from PyPI (several GB), under
+# the Python suite; prints one result line.
+compat: hub
+	$(PYTHON) scripts/compat.py $(TORCH)
 
 # torch_scatter has no PyPI wheels: this builds it from source into .venv (about 10 min on
 # 2 cores). `make bench` includes it when it is installed and says so when it is not.

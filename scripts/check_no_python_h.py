@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from build_hub import cmake_configure, stable_abi_target  # noqa: E402
+
 OPS = "_scatter_add_cpu_nopythonh"
 build = ROOT / ".build" / "no-python-h"
-subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DSCATTER_ADD_TESTS=OFF",
-                "-DSCATTER_ADD_BENCH=OFF", "-DSCATTER_ADD_TORCH=ON", f"-DSCATTER_ADD_OPS_NAME={OPS}",
-                f"-DPython_EXECUTABLE={sys.executable}", "-DSCATTER_ADD_NO_PYTHON_H=ON"],
-               check=True, stdout=subprocess.DEVNULL)
+cmake_configure(build, OPS, stable_abi_target("cpu"), cuda=False, extra=["-DSCATTER_ADD_NO_PYTHON_H=ON"])
 flags = (build / "torch-ext" / "CMakeFiles" / "scatter_add_ext.dir" / "flags.make").read_text()
 assert "SCATTER_ADD_NO_PYTHON_H=1" in flags, "the option did not reach the compiler"
 subprocess.run(["cmake", "--build", str(build), "-j", "2", "--target", "scatter_add_ext"], check=True,

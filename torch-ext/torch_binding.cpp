@@ -1,11 +1,19 @@
-// The only C++ that includes torch: schemas of the per-build op namespace TORCH_EXTENSION_NAME,
-// the CPU (and, with SCATTER_ADD_CUDA, CUDA) implementations over the torch-free core, the Meta
-// implementations used by FakeTensor / torch.compile, and an empty abi3 Python module whose
-// import runs the registrations. Autograd is registered from Python with torch.library.
+// The only C++ that includes torch, and only torch's stable ABI (torch/csrc/stable, torch/headeronly):
+// one binary runs on every torch from TORCH_TARGET_VERSION on. It holds the schemas of the per-build
+// op namespace TORCH_EXTENSION_NAME, the CPU (and, with SCATTER_ADD_CUDA, CUDA) implementations over
+// the torch-free core, and an empty abi3 Python module whose import runs the registrations. The fake
+// (meta) implementations and autograd are registered from Python with torch.library.
 //
 //   scatter_add_(Tensor(a!) input, Tensor index, Tensor src, Tensor? weight, int? ignore_index) -> ()
 //   index_add(Tensor input, Tensor index, Tensor src, Tensor? weight, int? ignore_index) -> Tensor
 //   gather(Tensor input, Tensor index, Tensor? weight, int? ignore_index) -> Tensor
+//
+// Errors. Through the stable ABI a kernel can only raise RuntimeError, so every error this file
+// raises is a std::runtime_error whose message is "<Kind>: <op>: <what>": IndexError for bad index
+// values, ValueError for shapes, dtypes, devices, strides, overlap and bad argument values (a
+// wrong argument type, the third kind the Python API knows, is refused by torch's schema check
+// before a kernel runs). Python sees exactly that message; the Python API re-raises it as <Kind>.
+// Every check runs before the first write, so input is untouched after any error.
 #if defined(SCATTER_ADD_NO_PYTHON_H)
 // No Python headers on the build machine (python3-dev missing, as it may be on a GPU image): the
 // few declarations the empty module below needs, as the stable ABI (abi3) has fixed them since
@@ -37,19 +45,49 @@ PyObject* PyModule_Create2(PyModuleDef* def, int apiver);
 #include <Python.h>
 #endif
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// Without a target version the headers allow everything the installed torch has, and the binary
+// would silently need that torch or newer. With one, every header outside the stable ABI
+// (ATen/ATen.h, torch/library.h, c10/cuda/...) stops the build with #error.
+#ifndef TORCH_TARGET_VERSION
+#error "compile with -DTORCH_TARGET_VERSION=<(major << 56) | (minor << 48)>, the oldest torch to support"
+#endif
 
+// torch >= 2.14's headers reach shim functions newer than the target through dlsym (on their
+// error path). glibc 2.34 moved dlsym into libc under a new symbol version, which a module linked
+// here would require; every glibc still exports the original version (libdl's before 2.34, a
+// compatibility alias in libc since), so the reference is bound to that one. See also
+// manylinux_compat.cpp.
+#if defined(__GLIBC__) && defined(__x86_64__)
+__asm__(".symver dlsym,dlsym@GLIBC_2.2.5");
+#elif defined(__GLIBC__) && defined(__aarch64__)
+__asm__(".symver dlsym,dlsym@GLIBC_2.17");
+#endif
+
+#if defined(SCATTER_ADD_CUDA) || defined(CUDA_KERNEL)
+#define SA_WITH_CUDA 1
+#ifndef USE_CUDA
+#define USE_CUDA 1  // the C shim declares its CUDA entry points (the current stream) under USE_CUDA
+#endif
+#endif
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "scatter_add/scatter_add.h"
 
-#if defined(SCATTER_ADD_CUDA)
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#if defined(SA_WITH_CUDA)
+#include <torch/csrc/stable/accelerator.h>
 
 #include "scatter_add_cuda.h"
 #endif
@@ -59,244 +97,432 @@ PyObject* PyModule_Create2(PyModuleDef* def, int apiver);
 #endif
 
 namespace sa = scatter_add;
-using at::Tensor;
+using torch::stable::Tensor;
 
 namespace scatter_add_torch {
-
-sa::DType to_dtype(const Tensor& t, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return sa::DType::f32;
-    case at::kDouble: return sa::DType::f64;
-    case at::kBFloat16: return sa::DType::bf16;
-    case at::kHalf: return sa::DType::f16;
-    default:
-      TORCH_CHECK_VALUE(false, arg, " must be float32, float64, bfloat16 or float16, got ",
-                        t.scalar_type());
-  }
-}
-
 namespace {
 
-std::string shape_of(const Tensor& t) { return c10::str(t.sizes()); }
+// --- errors ----------------------------------------------------------------------------------
 
-// [begin, end) bytes a strided tensor can touch; empty for numel() == 0.
-std::pair<uintptr_t, uintptr_t> byte_span(const Tensor& t) {
-  if (t.numel() == 0) return {0, 0};
-  int64_t lo = 0, hi = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const int64_t ext = (t.size(d) - 1) * t.stride(d);
-    (ext < 0 ? lo : hi) += ext;
+enum class Kind { index, value };
+
+// Throws "<Kind>: <op>: <what...>" (see the top of the file).
+template <class... A>
+[[noreturn]] void fail(Kind kind, const char* op, const A&... what) {
+  std::ostringstream s;
+  s << (kind == Kind::index ? "IndexError: " : "ValueError: ") << op << ": ";
+  (s << ... << what);
+  throw std::runtime_error(s.str());
+}
+
+// --- tensor metadata, read once per tensor through the C shim ---------------------------------
+
+// The shim's dtype and device codes this file compares against, read once when the library loads.
+struct Codes {
+  int32_t f32, f64, bf16, f16, i32, i64;
+  int32_t cpu, cuda, meta;
+};
+const Codes kCodes = {aoti_torch_dtype_float32(),     aoti_torch_dtype_float64(),
+                      aoti_torch_dtype_bfloat16(),    aoti_torch_dtype_float16(),
+                      aoti_torch_dtype_int32(),       aoti_torch_dtype_int64(),
+                      aoti_torch_device_type_cpu(),   aoti_torch_device_type_cuda(),
+                      aoti_torch_device_type_meta()};
+
+// What the checks read from one tensor: a handful of shim calls, each made once per call of an op.
+struct Info {
+  const Tensor* t = nullptr;
+  int64_t dim = 0;
+  const int64_t* size = nullptr;    // [dim], borrowed from the tensor
+  const int64_t* stride = nullptr;  // [dim], borrowed from the tensor
+  int32_t dtype = 0, device_type = 0, device_index = 0;
+
+  explicit Info(const Tensor& x) : t(&x) {
+    AtenTensorHandle h = x.get();
+    int64_t* p = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dim(h, &dim));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_sizes(h, &p));
+    size = p;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_strides(h, &p));
+    stride = p;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(h, &dtype));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(h, &device_type));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(h, &device_index));
   }
-  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const int64_t es = static_cast<int64_t>(t.element_size());
-  return {base + lo * es, base + (hi + 1) * es};
+  bool same_device(const Info& o) const {
+    return device_type == o.device_type && device_index == o.device_index;
+  }
+  void* data() const { return t->data_ptr(); }
+};
+
+// Messages print shapes, dtypes and devices as torch does: [6, 4], Float, cuda:0.
+struct Shape {
+  const Info& i;
+};
+std::ostream& operator<<(std::ostream& s, Shape x) {
+  s << '[';
+  for (int64_t d = 0; d < x.i.dim; ++d) s << (d ? ", " : "") << x.i.size[d];
+  return s << ']';
+}
+struct DTypeName {
+  const Info& i;
+};
+std::ostream& operator<<(std::ostream& s, DTypeName x) {
+  try {
+    return s << torch::headeronly::toString(x.i.t->scalar_type());
+  } catch (const std::exception&) {  // a dtype newer than the target version's headers
+    return s << "dtype code " << x.i.dtype;
+  }
+}
+struct DeviceName {
+  const Info& i;
+};
+std::ostream& operator<<(std::ostream& s, DeviceName x) {
+  const int32_t t = x.i.device_type;
+  if (t == kCodes.cpu) s << "cpu";
+  else if (t == kCodes.cuda) s << "cuda";
+  else if (t == kCodes.meta) s << "meta";
+  else if (t == aoti_torch_device_type_xpu()) s << "xpu";
+  else if (t == aoti_torch_device_type_mps()) s << "mps";
+  else s << "device type " << t;
+  if (x.i.device_index >= 0) s << ':' << x.i.device_index;
+  return s;
 }
 
-bool overlap(const Tensor& a, const Tensor& b) {
-  auto x = byte_span(a), y = byte_span(b);
-  return x.first < x.second && y.first < y.second && x.first < y.second && y.first < x.second;
+bool is_data_dtype(int32_t d) {
+  return d == kCodes.f32 || d == kCodes.f64 || d == kCodes.bf16 || d == kCodes.f16;
 }
 
-}  // namespace
+sa::DType core_dtype(int32_t d) {
+  if (d == kCodes.f32) return sa::DType::f32;
+  if (d == kCodes.f64) return sa::DType::f64;
+  if (d == kCodes.bf16) return sa::DType::bf16;
+  return sa::DType::f16;  // is_data_dtype() was checked before
+}
 
-void check_args(const char* op, const Tensor& input, const Tensor& index, const Tensor* src,
-                const c10::optional<Tensor>& weight) {
-  TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [N, D], got shape ", shape_of(input));
-  TORCH_CHECK_VALUE(index.dim() == 1, op, ": index must be 1-D [K], got shape ", shape_of(index));
-  TORCH_CHECK(index.scalar_type() == at::kInt || index.scalar_type() == at::kLong, op,
-              ": index must be int32 or int64, got ", index.scalar_type());
-  to_dtype(input, "input");
-  TORCH_CHECK(index.device() == input.device(), op, ": index is on ", index.device(),
-              " but input is on ", input.device());
-  const int64_t k = index.size(0);
+int64_t element_size(int32_t d) {
+  if (d == kCodes.f64 || d == kCodes.i64) return 8;
+  if (d == kCodes.f32 || d == kCodes.i32) return 4;
+  if (d == kCodes.bf16 || d == kCodes.f16) return 2;
+  return static_cast<int64_t>(aoti_torch_dtype_element_size(d));
+}
+
+// --- argument checks ---------------------------------------------------------------------------
+
+void check_args(const char* op, const Info& input, const Info& index, const Info* src,
+                const Info* weight) {
+  if (input.dim != 2) fail(Kind::value, op, "input must be 2-D [N, D], got shape ", Shape{input});
+  if (index.dim != 1) fail(Kind::value, op, "index must be 1-D [K], got shape ", Shape{index});
+  if (index.dtype != kCodes.i32 && index.dtype != kCodes.i64)
+    fail(Kind::value, op, "index must be int32 or int64, got ", DTypeName{index});
+  if (!is_data_dtype(input.dtype))
+    fail(Kind::value, op, "input must be float32, float64, bfloat16 or float16, got ", DTypeName{input});
+  if (!index.same_device(input))
+    fail(Kind::value, op, "index is on ", DeviceName{index}, " but input is on ", DeviceName{input});
+  const int64_t k = index.size[0];
   if (src != nullptr) {
-    TORCH_CHECK_VALUE(src->dim() == 2, op, ": src must be 2-D [K, D], got shape ", shape_of(*src));
-    TORCH_CHECK(src->scalar_type() == input.scalar_type(), op, ": src dtype ", src->scalar_type(),
-                " does not match input dtype ", input.scalar_type());
-    TORCH_CHECK(src->device() == input.device(), op, ": src is on ", src->device(),
-                " but input is on ", input.device());
-    TORCH_CHECK_VALUE(src->size(0) == k, op, ": src has ", src->size(0), " rows but index has ", k,
-                      " entries");
-    TORCH_CHECK_VALUE(src->size(1) == input.size(1), op, ": src has ", src->size(1),
-                      " columns but input has ", input.size(1));
+    if (src->dim != 2) fail(Kind::value, op, "src must be 2-D [K, D], got shape ", Shape{*src});
+    if (src->dtype != input.dtype)
+      fail(Kind::value, op, "src dtype ", DTypeName{*src}, " does not match input dtype ", DTypeName{input});
+    if (!src->same_device(input))
+      fail(Kind::value, op, "src is on ", DeviceName{*src}, " but input is on ", DeviceName{input});
+    if (src->size[0] != k)
+      fail(Kind::value, op, "src has ", src->size[0], " rows but index has ", k, " entries");
+    if (src->size[1] != input.size[1])
+      fail(Kind::value, op, "src has ", src->size[1], " columns but input has ", input.size[1]);
   }
-  if (weight.has_value()) {
-    const Tensor& w = *weight;
-    TORCH_CHECK_VALUE(w.dim() == 1 && w.size(0) == k, op, ": weight must be 1-D with ", k,
-                      " entries (one per index), got shape ", shape_of(w));
-    TORCH_CHECK(at::isFloatingType(w.scalar_type()), op, ": weight must be a float tensor, got ",
-                w.scalar_type());
-    TORCH_CHECK(w.device() == input.device(), op, ": weight is on ", w.device(),
-                " but input is on ", input.device());
+  if (weight != nullptr) {
+    if (weight->dim != 1 || weight->size[0] != k)
+      fail(Kind::value, op, "weight must be 1-D with ", k, " entries (one per index), got shape ",
+           Shape{*weight});
+    if (!is_data_dtype(weight->dtype))
+      fail(Kind::value, op, "weight must be float32, float64, bfloat16 or float16, got ", DTypeName{*weight});
+    if (!weight->same_device(input))
+      fail(Kind::value, op, "weight is on ", DeviceName{*weight}, " but input is on ", DeviceName{input});
   }
 }
 
-void check_no_overlap(const char* op, const Tensor& out, const char* out_name, const Tensor& other,
-                      const char* other_name) {
-  if (out.device().is_meta() || other.device().is_meta()) return;
-  TORCH_CHECK_VALUE(!overlap(out, other), op, ": ", other_name, " memory overlaps ", out_name,
-                    " (in-place aliasing is not supported)");
+// --- overlap, decided on the elements each view touches (the core's views_may_overlap) ----------
+
+// A same-sized core dtype for an element size (the overlap test only counts bytes).
+sa::DType sized_dtype(int64_t es) {
+  return es == 8 ? sa::DType::f64 : es == 4 ? sa::DType::f32 : sa::DType::f16;
 }
 
-sa::Matrix matrix_of(const Tensor& t) {
-  const int64_t stride = t.size(0) > 1 ? t.stride(0) : t.size(1);
-  return {t.data_ptr(), t.size(0), t.size(1), stride, to_dtype(t, "tensor")};
+// A 1-D or 2-D tensor as the row-major view the core's overlap test takes: rows along the outer
+// dimension when the inner one is dense, along the inner one for a transpose, one element per row
+// for a strided 1-D tensor; any other layout is its whole byte span, which can only over-report.
+sa::ConstMatrix overlap_view(const Info& i) {
+  const int64_t es = element_size(i.dtype);
+  const sa::DType dt = sized_dtype(es);
+  const void* data = i.data();
+  int64_t n0 = 1, s0 = 0, n1 = 1, s1 = 1;
+  if (i.dim == 1) {
+    n1 = i.size[0], s1 = i.stride[0];
+  } else {
+    n0 = i.size[0], s0 = i.stride[0], n1 = i.size[1], s1 = i.stride[1];
+  }
+  if (n0 == 0 || n1 == 0) return {data, 0, 0, 0, dt};
+  if (n1 == 1) n1 = n0, s1 = s0, n0 = 1, s0 = 0;  // a column: one run
+  if (n0 > 1 && s1 != 1 && s0 == 1) {             // a transpose
+    std::swap(n0, n1);
+    std::swap(s0, s1);
+  }
+  if (n0 == 1 || s0 == 0) n0 = 1;  // one row (or every row the same)
+  if (n1 == 1 || s1 == 1) return {data, n0, n1, n0 > 1 ? s0 : n1, dt};
+  if (n0 == 1 && s1 > 0) return {data, n1, 1, s1, dt};  // a strided run: one element per row
+  const int64_t extent = (n0 - 1) * s0 + (n1 - 1) * s1 + 1;  // strides are never negative in torch
+  return {data, 1, extent, extent, dt};
 }
 
-bool unit_columns(const Tensor& t) {
-  return (t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= 0);
+// The destination of an in-place op: no two of its elements may be one memory location (an
+// expanded tensor), since the kernels write every element once and in parallel.
+void check_writable(const char* op, const Info& input) {
+  const int64_t r = input.size[0], c = input.size[1];
+  if (r <= 1 && c <= 1) return;
+  const int64_t s0 = input.stride[0], s1 = input.stride[1];
+  if (c <= 1 || s1 == 1) {
+    if (r > 1 && s0 < c)
+      fail(Kind::value, op, "input row stride ", s0, " is smaller than its row length ", c,
+           " (rows would alias; expanded tensors cannot be written in place)");
+    return;
+  }
+  // Two dimensions (a, na), (b, nb) alias when di*a == dj*b for some 0 < di < na, 0 < dj < nb: the
+  // smallest such pair is (b/g, a/g), g = gcd(a, b); a zero stride over more than one element
+  // aliases at once.
+  bool alias = (r > 1 && s0 == 0) || (c > 1 && s1 == 0);
+  if (!alias && r > 1 && c > 1) {
+    const int64_t g = std::gcd(s0, s1);
+    alias = s1 / g < r && s0 / g < c;
+  }
+  if (alias)
+    fail(Kind::value, op, "input has elements that share memory (shape ", Shape{input}, ", strides [",
+         s0, ", ", s1, "]; expanded tensors cannot be written in place)");
 }
 
-Tensor rows_view(const Tensor& t) { return unit_columns(t) ? t : t.contiguous(); }
-
-sa::IndexVector index_of(const Tensor& index) {
-  return {index.data_ptr(), index.numel(),
-          index.scalar_type() == at::kInt ? sa::IndexType::i32 : sa::IndexType::i64};
+void check_no_overlap(const char* op, const Info& input, const Info& other, const char* other_name) {
+  if (sa::views_may_overlap(overlap_view(input), overlap_view(other)))
+    fail(Kind::value, op, other_name, " memory overlaps input (in-place aliasing is not supported)");
 }
 
-sa::WeightVector weight_of(const c10::optional<Tensor>& w) {
-  if (!w.has_value()) return {};
-  return {w->data_ptr(), w->numel(), to_dtype(*w, "weight")};
+// --- tensors made here, through the C shim's direct entry points (no dispatcher lookup) ---------
+
+Tensor empty_2d(int64_t rows, int64_t cols, int32_t dtype, const Info& like) {
+  const int64_t size[2] = {rows, cols}, stride[2] = {cols, 1};
+  AtenTensorHandle h = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      aoti_torch_empty_strided(2, size, stride, dtype, like.device_type, like.device_index, &h));
+  return Tensor(h);
 }
 
-// Calls into the core and turns its errors into IndexError / ValueError for Python, with the
-// core's function name replaced by the op's.
+Tensor empty_1d(int64_t n, int32_t dtype, const Info& like) {
+  const int64_t size[1] = {n}, stride[1] = {1};
+  AtenTensorHandle h = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      aoti_torch_empty_strided(1, size, stride, dtype, like.device_type, like.device_index, &h));
+  return Tensor(h);
+}
+
+void copy_into(const Tensor& dst, const Tensor& src) {
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_copy_(dst.get(), src.get(), 0));
+}
+
+// A dense copy of a 1-D or 2-D tensor, in `dtype`.
+Tensor dense_copy(const Tensor& x, const Info& i, int32_t dtype) {
+  Tensor out = i.dim == 1 ? empty_1d(i.size[0], dtype, i) : empty_2d(i.size[0], i.size[1], dtype, i);
+  copy_into(out, x);
+  return out;
+}
+
+// --- views for the core --------------------------------------------------------------------------
+
+// Rows the core can read or write in place: unit column stride (or one column).
+bool unit_columns(const Info& i) { return i.size[1] <= 1 || i.stride[1] == 1; }
+bool dense_1d(const Info& i) { return i.size[0] <= 1 || i.stride[0] == 1; }
+
+// A tensor as the core reads it: the tensor itself when its layout suits the core, else a dense
+// copy (in `dtype`, which may differ from the tensor's: the CUDA kernels take float32 / float64
+// weights).
+struct Operand {
+  Tensor t;
+  Info info;
+  Operand(const Tensor& x, const Info& i, bool usable, int32_t dtype)
+      : t(usable && dtype == i.dtype ? x : dense_copy(x, i, dtype)), info(t.get() == x.get() ? i : Info(t)) {}
+  Operand(const Tensor& x, const Info& i, bool usable) : Operand(x, i, usable, i.dtype) {}
+};
+
+sa::Matrix matrix_of(const Operand& m) {
+  const Info& i = m.info;
+  const int64_t stride = i.size[0] > 1 ? i.stride[0] : i.size[1];
+  return {m.t.data_ptr(), i.size[0], i.size[1], stride, core_dtype(i.dtype)};
+}
+
+sa::IndexVector index_of(const Operand& m) {
+  return {m.t.data_ptr(), m.info.size[0],
+          m.info.dtype == kCodes.i32 ? sa::IndexType::i32 : sa::IndexType::i64};
+}
+
+sa::WeightVector weight_of(const std::optional<Operand>& w) {
+  if (!w) return {};
+  return {w->t.data_ptr(), w->info.size[0], core_dtype(w->info.dtype)};
+}
+
+// Calls into the core, whose errors read "<core function>: <what>": the op's name replaces the
+// function's, and the error's kind becomes the tag.
 template <class F>
 void call_core(const char* op, F&& f) {
   try {
     f();
   } catch (const sa::Error& e) {
-    // Core messages read "<core function>: <what>"; the op's name replaces the function's.
-    std::string msg = e.what();
-    const auto colon = msg.find(": ");
-    if (colon != std::string::npos) msg = msg.substr(colon + 2);
-    if (e.kind() == sa::Error::Kind::index) TORCH_CHECK_INDEX(false, op, ": ", msg);
-    TORCH_CHECK_VALUE(false, op, ": ", msg);
+    const char* msg = e.what();
+    const char* colon = std::strstr(msg, ": ");
+    fail(e.kind() == sa::Error::Kind::index ? Kind::index : Kind::value, op,
+         colon != nullptr ? colon + 2 : msg);
   }
 }
 
-namespace {
+// --- the ops, for any backend ---------------------------------------------------------------------
+//
+// A backend B provides:
+//   static int32_t weight_dtype(int32_t weight, int32_t data)   the dtype its kernels take weights in
+//   static void add(Matrix out, IndexVector, ConstMatrix src, WeightVector, optional<int64_t> ignore,
+//                   const Info& input)
+//   static void gather(Matrix dst, ConstMatrix x, IndexVector, WeightVector, optional<int64_t>,
+//                      const Info& input)
 
-sa::Options options_of(const c10::optional<int64_t>& ignore_index) {
-  sa::Options o;
-  if (ignore_index.has_value()) o.ignore_index = *ignore_index;
-  o.num_threads = at::get_num_threads();
-  return o;
+struct Args {
+  Info in, ix;
+  std::optional<Info> sr, wi;
+  Args(const Tensor& input, const Tensor& index, const Tensor* src, const std::optional<Tensor>& weight)
+      : in(input), ix(index) {
+    if (src != nullptr) sr.emplace(*src);
+    if (weight) wi.emplace(*weight);
+  }
+};
+
+// out[index[i]] += weight[i] * src[i] for checked arguments, in place in `out` (a contiguous copy
+// is made and copied back when out has a column stride).
+template <class B>
+void add_checked(const char* op, const Tensor& out, const Info& oi, const Tensor& index, const Args& a,
+                 const Tensor& src, const std::optional<Tensor>& weight,
+                 std::optional<int64_t> ignore_index) {
+  const Operand s(src, *a.sr, unit_columns(*a.sr));
+  const Operand i(index, a.ix, dense_1d(a.ix));
+  std::optional<Operand> w;
+  if (weight) w.emplace(*weight, *a.wi, dense_1d(*a.wi), B::weight_dtype(a.wi->dtype, oi.dtype));
+  const bool direct = unit_columns(oi);
+  const Operand o(out, oi, direct);
+  call_core(op, [&] { B::add(matrix_of(o), index_of(i), matrix_of(s), weight_of(w), ignore_index, oi); });
+  if (!direct) copy_into(out, o.t);
 }
 
-// The tensor-level work shared by every backend: checks, views, the in-place copy-back; `core`
-// runs the kernel on raw views: core(out, index, src_or_x, weight).
-template <class Core>
-void scatter_add_into(const char* op, const Tensor& input, const Tensor& index, const Tensor& src,
-                      const c10::optional<Tensor>& weight, Core&& core) {
-  check_args(op, input, index, &src, weight);
-  check_no_overlap(op, input, "input", src, "src");
-  check_no_overlap(op, input, "input", index, "index");
-  if (weight) check_no_overlap(op, input, "input", *weight, "weight");
-  const Tensor s = rows_view(src);
-  const Tensor idx = index.contiguous();
-  const c10::optional<Tensor> w = weight ? c10::optional<Tensor>(weight->contiguous()) : c10::nullopt;
-  // A non-unit column stride in input: work on a contiguous copy, then copy back.
-  const bool direct = unit_columns(input);
-  Tensor out = direct ? input : input.contiguous();
-  call_core(op, [&] { core(matrix_of(out), index_of(idx), matrix_of(s), weight_of(w)); });
-  if (!direct) input.copy_(out);
+template <class B>
+void scatter_add_op(const Tensor& input, const Tensor& index, const Tensor& src,
+                    const std::optional<Tensor> weight, std::optional<int64_t> ignore_index) {
+  const char* op = "scatter_add";
+  const Args a(input, index, &src, weight);
+  check_args(op, a.in, a.ix, &*a.sr, a.wi ? &*a.wi : nullptr);
+  check_writable(op, a.in);
+  check_no_overlap(op, a.in, *a.sr, "src");
+  check_no_overlap(op, a.in, a.ix, "index");
+  if (a.wi) check_no_overlap(op, a.in, *a.wi, "weight");
+  add_checked<B>(op, input, a.in, index, a, src, weight, ignore_index);
 }
 
-template <class Core>
-Tensor gather_from(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight, Core&& core) {
-  check_args("gather", input, index, nullptr, weight);
-  const Tensor x = rows_view(input);
-  const Tensor idx = index.contiguous();
-  const c10::optional<Tensor> w = weight ? c10::optional<Tensor>(weight->contiguous()) : c10::nullopt;
-  Tensor dst = at::empty({index.size(0), input.size(1)}, input.options());
-  call_core("gather", [&] { core(matrix_of(dst), index_of(idx), matrix_of(x), weight_of(w)); });
+// index_add: scatter_add_ into a fresh contiguous copy of input, which overlaps nothing.
+template <class B>
+Tensor index_add_op(const Tensor& input, const Tensor& index, const Tensor& src,
+                    const std::optional<Tensor> weight, std::optional<int64_t> ignore_index) {
+  const char* op = "index_add";
+  const Args a(input, index, &src, weight);
+  check_args(op, a.in, a.ix, &*a.sr, a.wi ? &*a.wi : nullptr);
+  Tensor out = dense_copy(input, a.in, a.in.dtype);
+  const Info oi(out);
+  add_checked<B>(op, out, oi, index, a, src, weight, ignore_index);
+  return out;
+}
+
+template <class B>
+Tensor gather_op(const Tensor& input, const Tensor& index, const std::optional<Tensor> weight,
+                 std::optional<int64_t> ignore_index) {
+  const char* op = "gather";
+  const Args a(input, index, nullptr, weight);
+  check_args(op, a.in, a.ix, nullptr, a.wi ? &*a.wi : nullptr);
+  const Operand x(input, a.in, unit_columns(a.in));
+  const Operand i(index, a.ix, dense_1d(a.ix));
+  std::optional<Operand> w;
+  if (weight) w.emplace(*weight, *a.wi, dense_1d(*a.wi), B::weight_dtype(a.wi->dtype, a.in.dtype));
+  Tensor dst = empty_2d(a.ix.size[0], a.in.size[1], a.in.dtype, a.in);
+  const Operand d(dst, Info(dst), true);
+  call_core(op, [&] { B::gather(matrix_of(d), matrix_of(x), index_of(i), weight_of(w), ignore_index, a.in); });
   return dst;
 }
 
-void scatter_add_cpu(const Tensor& input, const Tensor& index, const Tensor& src,
-                     const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
-  scatter_add_into("scatter_add", input, index, src, weight, [&](auto o, auto i, auto s, auto w) {
-    sa::index_add_rows(o, i, s, w, options_of(ignore_index));
-  });
-}
+// --- backends ------------------------------------------------------------------------------------
 
+struct Cpu {
+  static int32_t weight_dtype(int32_t weight, int32_t) { return weight; }  // any of the four
+  static sa::Options options(std::optional<int64_t> ignore_index) {
+    sa::Options o;
+    o.ignore_index = ignore_index;
+    o.num_threads = static_cast<int>(torch::stable::get_num_threads());  // torch's, as set_num_threads
+    return o;
+  }
+  static void add(const sa::Matrix& out, const sa::IndexVector& index, const sa::ConstMatrix& src,
+                  const sa::WeightVector& weight, std::optional<int64_t> ignore_index, const Info&) {
+    sa::index_add_rows(out, index, src, weight, options(ignore_index));
+  }
+  static void gather(const sa::Matrix& dst, const sa::ConstMatrix& x, const sa::IndexVector& index,
+                     const sa::WeightVector& weight, std::optional<int64_t> ignore_index, const Info&) {
+    sa::gather_rows(dst, x, index, weight, options(ignore_index));
+  }
+};
 
-Tensor gather_cpu(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight,
-                  c10::optional<int64_t> ignore_index) {
-  return gather_from(input, index, weight, [&](auto d, auto i, auto x, auto w) {
-    sa::gather_rows(d, x, i, w, options_of(ignore_index));
-  });
-}
+#if defined(SA_WITH_CUDA)
+// CUDA: weights in the accumulator dtype, a workspace from torch's caching allocator, torch's
+// current stream on the input's device.
+struct Cuda {
+  static int32_t weight_dtype(int32_t, int32_t data) { return data == kCodes.f64 ? kCodes.f64 : kCodes.f32; }
 
-#if defined(SCATTER_ADD_CUDA)
-// CUDA: weights converted to the accumulator dtype, a workspace from torch's caching allocator,
-// the current stream.
-c10::optional<Tensor> acc_weight(const c10::optional<Tensor>& w, const Tensor& data) {
-  if (!w) return w;
-  return w->to(data.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
-}
-
-Tensor cuda_workspace(const Tensor& index, size_t bytes) {
-  return at::empty({static_cast<int64_t>(bytes)}, index.options().dtype(at::kByte));
-}
-
-// SCATTER_ADD_CUDA_CHECK=trap: report bad indices with a device-side trap instead of waiting for
-// the stream (see csrc/cuda/scatter_add_cuda.h); read at every call.
-sa::cuda::IndexCheck cuda_index_check() {
-  const char* v = std::getenv("SCATTER_ADD_CUDA_CHECK");
-  if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "host") == 0) return sa::cuda::IndexCheck::host_error;
-  if (std::strcmp(v, "trap") == 0) return sa::cuda::IndexCheck::device_trap;
-  TORCH_CHECK_VALUE(false, "SCATTER_ADD_CUDA_CHECK must be 'host' or 'trap', got '", v, "'");
-}
-
-void scatter_add_cuda(const Tensor& input, const Tensor& index, const Tensor& src,
-                      const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
-  const c10::cuda::CUDAGuard guard(input.device());
-  check_args("scatter_add", input, index, &src, weight);
-  const auto w = acc_weight(weight, input);
-  const auto check = cuda_index_check();
-  Tensor ws = cuda_workspace(index, sa::cuda::workspace_bytes(index.numel(), input.size(0), input.size(1),
-                                                              to_dtype(input, "input")));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  scatter_add_into("scatter_add", input, index, src, w, [&](auto o, auto i, auto s, auto wv) {
-    sa::cuda::index_add_rows(o, i, s, wv, ignore_index, ws.data_ptr(), ws.numel(), stream, check);
-  });
-}
-
-Tensor gather_cuda(const Tensor& input, const Tensor& index, const c10::optional<Tensor>& weight,
-                   c10::optional<int64_t> ignore_index) {
-  const c10::cuda::CUDAGuard guard(input.device());
-  check_args("gather", input, index, nullptr, weight);
-  const auto w = acc_weight(weight, input);
-  const auto check = cuda_index_check();
-  Tensor ws = cuda_workspace(index, sa::cuda::gather_workspace_bytes());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  return gather_from(input, index, w, [&](auto d, auto i, auto x, auto wv) {
-    sa::cuda::gather_rows(d, x, i, wv, ignore_index, ws.data_ptr(), ws.numel(), stream, check);
-  });
-}
+  // SCATTER_ADD_CUDA_CHECK=trap: report bad indices with a device-side trap instead of waiting for
+  // the stream (see csrc/cuda/scatter_add_cuda.h); read at every call.
+  static sa::cuda::IndexCheck index_check(const char* op) {
+    const char* v = std::getenv("SCATTER_ADD_CUDA_CHECK");
+    if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "host") == 0)
+      return sa::cuda::IndexCheck::host_error;
+    if (std::strcmp(v, "trap") == 0) return sa::cuda::IndexCheck::device_trap;
+    fail(Kind::value, op, "SCATTER_ADD_CUDA_CHECK must be 'host' or 'trap', got '", v, "'");
+  }
+  static cudaStream_t stream(const Info& like) {
+    void* s = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(like.device_index, &s));
+    return static_cast<cudaStream_t>(s);
+  }
+  static Tensor workspace(size_t bytes, const Info& like) {
+    return empty_1d(static_cast<int64_t>(bytes), aoti_torch_dtype_uint8(), like);
+  }
+  static void add(const sa::Matrix& out, const sa::IndexVector& index, const sa::ConstMatrix& src,
+                  const sa::WeightVector& weight, std::optional<int64_t> ignore_index, const Info& input) {
+    const torch::stable::accelerator::DeviceGuard guard(input.device_index);
+    const auto check = index_check("scatter_add");
+    const size_t bytes = sa::cuda::workspace_bytes(index.size, out.rows, out.cols, out.dtype);
+    const Tensor ws = workspace(bytes, input);
+    sa::cuda::index_add_rows(out, index, src, weight, ignore_index, ws.data_ptr(), bytes, stream(input), check);
+  }
+  static void gather(const sa::Matrix& dst, const sa::ConstMatrix& x, const sa::IndexVector& index,
+                     const sa::WeightVector& weight, std::optional<int64_t> ignore_index, const Info& input) {
+    const torch::stable::accelerator::DeviceGuard guard(input.device_index);
+    const auto check = index_check("gather");
+    const size_t bytes = sa::cuda::gather_workspace_bytes();
+    const Tensor ws = workspace(bytes, input);
+    sa::cuda::gather_rows(dst, x, index, weight, ignore_index, ws.data_ptr(), bytes, stream(input), check);
+  }
+};
 #endif
-
-// index_add = scatter_add_ into a contiguous clone, for any backend's scatter_add_.
-using ScatterAddFn = void (*)(const Tensor&, const Tensor&, const Tensor&, const c10::optional<Tensor>&,
-                              c10::optional<int64_t>);
-template <ScatterAddFn ScatterAdd>
-Tensor index_add_with(const Tensor& input, const Tensor& index, const Tensor& src,
-                      const c10::optional<Tensor>& weight, c10::optional<int64_t> ignore_index) {
-  check_args("index_add", input, index, &src, weight);
-  Tensor out = input.clone(at::MemoryFormat::Contiguous);
-  ScatterAdd(out, index, src, weight, ignore_index);
-  return out;
-}
 
 }  // namespace
 }  // namespace scatter_add_torch
 
-#define SA_LIBRARY(NAME, M) TORCH_LIBRARY(NAME, M)
-#define SA_LIBRARY_IMPL(NAME, KEY, M) TORCH_LIBRARY_IMPL(NAME, KEY, M)
-
-SA_LIBRARY(TORCH_EXTENSION_NAME, m) {
+STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("scatter_add_(Tensor(a!) input, Tensor index, Tensor src, Tensor? weight=None, "
         "int? ignore_index=None) -> ()");
   m.def("index_add(Tensor input, Tensor index, Tensor src, Tensor? weight=None, "
@@ -304,21 +530,24 @@ SA_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gather(Tensor input, Tensor index, Tensor? weight=None, int? ignore_index=None) -> Tensor");
 }
 
-SA_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
-  m.impl("scatter_add_", &scatter_add_torch::scatter_add_cpu);
-  m.impl("index_add", &scatter_add_torch::index_add_with<&scatter_add_torch::scatter_add_cpu>);
-  m.impl("gather", &scatter_add_torch::gather_cpu);
+STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
+  using B = scatter_add_torch::Cpu;
+  m.impl("scatter_add_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
+  m.impl("index_add", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
+  m.impl("gather", TORCH_BOX(&scatter_add_torch::gather_op<B>));
 }
 
-#if defined(SCATTER_ADD_CUDA)
-SA_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
-  m.impl("scatter_add_", &scatter_add_torch::scatter_add_cuda);
-  m.impl("index_add", &scatter_add_torch::index_add_with<&scatter_add_torch::scatter_add_cuda>);
-  m.impl("gather", &scatter_add_torch::gather_cuda);
+#if defined(SA_WITH_CUDA)
+STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
+  using B = scatter_add_torch::Cuda;
+  m.impl("scatter_add_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
+  m.impl("index_add", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
+  m.impl("gather", TORCH_BOX(&scatter_add_torch::gather_op<B>));
 }
 #endif
 
-// The module itself is empty: importing it runs the registrations above.
+// The module itself is empty: importing it runs the registrations above. It is the only symbol the
+// library exports (see torch-ext/CMakeLists.txt).
 #define SA_CAT(a, b) a##b
 #define SA_PYINIT(name) SA_CAT(PyInit_, name)
 #define SA_STR2(x) #x

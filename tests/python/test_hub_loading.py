@@ -9,9 +9,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import BACKEND, ROOT
 
 REPO = "scatter-add-org/scatter-add"
+# The loader's backend: SCATTER_ADD_BACKEND=cpu takes the CPU variant on a CUDA build of torch.
+BACKEND_ARG = f", backend={BACKEND!r}" if BACKEND else ""
 CHECK = """
 import torch, kernels, sys
 sa = {load}
@@ -34,11 +36,11 @@ def run(load, env_extra, tmp_path):
 
 
 def test_get_local_kernel(tmp_path):
-    run(f"kernels.get_local_kernel(__import__('pathlib').Path({str(ROOT)!r}))", {}, tmp_path)
+    run(f"kernels.get_local_kernel(__import__('pathlib').Path({str(ROOT)!r}){BACKEND_ARG})", {}, tmp_path)
 
 
 def test_get_kernel_through_local_kernels(tmp_path):
-    run(f"kernels.get_kernel({REPO!r}, version=1)", {"LOCAL_KERNELS": f"{REPO}={ROOT}", "HF_HUB_OFFLINE": "1",
+    run(f"kernels.get_kernel({REPO!r}, version=1{BACKEND_ARG})", {"LOCAL_KERNELS": f"{REPO}={ROOT}", "HF_HUB_OFFLINE": "1",
                                                       "HF_HUB_CACHE": str(tmp_path / "empty-cache")}, tmp_path)
 
 
@@ -52,6 +54,6 @@ def test_get_kernel_from_offline_hub_cache(tmp_path):
     (repo_dir / "refs" / "v1").write_text(sha)
     meta = json.loads(next((repo_dir / "snapshots" / sha / "build").glob("*-cpu-*/metadata.json")).read_text())
     assert meta["name"] == "scatter-add" and meta["version"] == 1 and meta["python-depends"] == []
-    out = run(f"kernels.get_kernel({REPO!r}, version=1)", {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)},
+    out = run(f"kernels.get_kernel({REPO!r}, version=1{BACKEND_ARG})", {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)},
               tmp_path)
     assert meta["id"] in out
