@@ -2,6 +2,7 @@
 expert-parallel MoE layer against the single-process layer on this rank's tokens, in float64.
 Writes {"rank", "max_diff", "max_out"} as JSON to <out_dir>/rank<r>.json."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ def main(mode: str, case: str, out_dir: str):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    sa = kernels.get_local_kernel(ROOT)
+    sa = kernels.get_local_kernel(ROOT, backend=os.environ.get("SCATTER_ADD_BACKEND") or None)
     hidden, inter, tokens = 48, 96, 40
     cf = 1.0 if mode == "static" else 8.0  # dropless reference: capacity that drops nothing
     full = MixtralSparseMoE(hidden, inter, num_experts=8, top_k=2, capacity_factor=cf, dtype=torch.float64)
