@@ -152,6 +152,10 @@ double estimate_ns(const AddShape& s, Strategy strategy) {
 }
 
 Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {
+  if (static_cast<unsigned>(o.strategy) > 3u)
+    throw Error(Error::Kind::value, "options.strategy has an unknown code " +
+                                        std::to_string(static_cast<int>(o.strategy)) +
+                                        " (auto, direct, count, radix are 0..3)");
   if (o.strategy != Strategy::automatic) return o.strategy;
   const Strategy forced = get_strategy();
   if (forced != Strategy::automatic) return forced;

@@ -45,7 +45,10 @@ Isa parse_env(Isa fallback) {
   return fallback;  // unknown names leave the best level in place
 }
 
-Isa clamp(Isa want) { return static_cast<int>(want) < static_cast<int>(supported_isa()) ? want : supported_isa(); }
+Isa clamp(Isa want) {
+  if (static_cast<int>(want) < 0) return Isa::scalar;
+  return static_cast<int>(want) < static_cast<int>(supported_isa()) ? want : supported_isa();
+}
 
 std::atomic<int>& active_level() {
   static std::atomic<int> level{static_cast<int>(clamp(parse_env(supported_isa())))};

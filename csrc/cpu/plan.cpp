@@ -68,6 +68,9 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
     throw Error(Error::Kind::value,
                 "index type must be int32 or int64, got code " +
                     std::to_string(static_cast<int>(index.type)));
+  if (method != Strategy::automatic && method != Strategy::count && method != Strategy::radix)
+    throw Error(Error::Kind::value, "a plan is built by count or radix (or automatic), got method code " +
+                                        std::to_string(static_cast<int>(method)));
   rows_.clear();
   offsets_.clear();
   sources_.clear();

@@ -66,6 +66,7 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
   std::vector<double> wd;
   as_op(op, [&] {
     // Every index value is checked before the first write; the pass also tells a sorted index.
+    // choose_add refuses an unknown options.strategy, also before anything is written.
     const cpu::IndexScan scan = cpu::scan_index(index, out.rows, options.ignore_index, nullptr, nullptr, nullptr, 0, true);
     const Strategy s = cpu::choose_add({out.rows, index.size, out.cols, out.dtype}, options, scan.sorted);
     if (out.cols == 0 || scan.kept == 0) return;

@@ -186,7 +186,80 @@ cpu::IndexScan scan(const I* idx, int64_t k, int64_t n, std::optional<int64_t> i
   return s;
 }
 
+// A strided view in bytes.
+struct Strided {
+  uintptr_t base;
+  int64_t rows, cols, rs, cs, es;  // rs, cs, es in bytes
+};
+
+// Two views with the same strides and element size: element (i, j) of a meets element (i', j') of
+// b when |di * rs + dj * cs - (b - a)| < es, with di = i - i' and dj = j - j' in their ranges.
+// Walks the shorter of the two ranges: 1 (they meet) or 0, or -1 (undecided) beyond 2^16 steps.
+int same_strides_meet(const Strided& a, const Strided& b) {
+  const __int128 delta = static_cast<__int128>(b.base) - static_cast<__int128>(a.base);
+  const int64_t di_lo = -(b.rows - 1), di_hi = a.rows - 1, dj_lo = -(b.cols - 1), dj_hi = a.cols - 1;
+  // For a fixed value t of one difference (stride st), the other (stride so, range [lo, hi]) must
+  // bring so * x within es of `rest` = delta - t * st.
+  auto fits = [&](__int128 rest, int64_t so, int64_t lo, int64_t hi) {
+    if (so == 0) return rest > -a.es && rest < a.es && lo <= hi;
+    // x with rest - es < x * so < rest + es (so > 0).
+    auto floor_div = [](__int128 p, __int128 q) { return p >= 0 ? p / q : -((-p + q - 1) / q); };
+    __int128 first = floor_div(rest - a.es, so) + 1;       // smallest x with x*so > rest - es
+    __int128 last = -floor_div(-(rest + a.es), so) - 1;    // largest x with x*so < rest + es
+    if (first < lo) first = lo;
+    if (last > hi) last = hi;
+    return first <= last;
+  };
+  const int64_t ni = di_hi - di_lo + 1, nj = dj_hi - dj_lo + 1;
+  if (std::min(ni, nj) > (int64_t(1) << 16)) return -1;
+  if (nj <= ni) {
+    for (int64_t dj = dj_lo; dj <= dj_hi; ++dj)
+      if (fits(delta - static_cast<__int128>(dj) * a.cs, a.rs, di_lo, di_hi)) return 1;
+  } else {
+    for (int64_t di = di_lo; di <= di_hi; ++di)
+      if (fits(delta - static_cast<__int128>(di) * a.rs, a.cs, dj_lo, dj_hi)) return 1;
+  }
+  return 0;
+}
+
+// A strided view as runs of contiguous bytes, when it is one: rows of contiguous elements, a
+// single column, or a single row.
+bool as_rows(const Strided& v, ByteView* out) {
+  if (v.cs == v.es || v.cols == 1) {
+    *out = {v.base, v.rows, v.cols * v.es, v.rows > 1 ? v.rs : 0};
+    return true;
+  }
+  if (v.rows == 1) {
+    *out = {v.base, v.cols, v.es, v.cols > 1 ? v.cs : 0};
+    return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+bool views_may_overlap(const StridedView& a, const StridedView& b) {
+  if (a.data == nullptr || b.data == nullptr || a.rows <= 0 || a.cols <= 0 || b.rows <= 0 || b.cols <= 0)
+    return false;
+  if (a.row_stride < 0 || a.col_stride < 0 || b.row_stride < 0 || b.col_stride < 0) return true;
+  const auto bytes = [](const StridedView& v) {
+    const int64_t es = static_cast<int64_t>(v.element_size);
+    return Strided{reinterpret_cast<uintptr_t>(v.data), v.rows, v.cols, v.row_stride * es, v.col_stride * es, es};
+  };
+  const Strided x = bytes(a), y = bytes(b);
+  const auto end = [](const Strided& v) {
+    return static_cast<__int128>(v.base) + static_cast<__int128>(v.rows - 1) * v.rs +
+           static_cast<__int128>(v.cols - 1) * v.cs + v.es;
+  };
+  if (!(static_cast<__int128>(x.base) < end(y) && static_cast<__int128>(y.base) < end(x))) return false;
+  if (x.rs == y.rs && x.cs == y.cs && x.es == y.es) {
+    const int meet = same_strides_meet(x, y);
+    if (meet >= 0) return meet == 1;
+  }
+  ByteView rx, ry;
+  if (as_rows(x, &rx) && as_rows(y, &ry)) return may_overlap(rx, ry);
+  return true;
+}
 
 bool views_may_overlap(const ConstMatrix& a, const ConstMatrix& b) {
   if (!valid_dtype(a.dtype) || !valid_dtype(b.dtype)) return true;

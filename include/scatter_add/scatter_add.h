@@ -147,12 +147,25 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
 // conservative (true when their byte ranges meet) otherwise. A 1-D buffer is a one-row view.
 bool views_may_overlap(const ConstMatrix& a, const ConstMatrix& b);
 
+// A 2-D view with any strides: element (i, j) is element_size bytes at
+// data + (i * row_stride + j * col_stride) * element_size, strides in elements and >= 0.
+struct StridedView {
+  const void* data = nullptr;
+  int64_t rows = 0, cols = 0, row_stride = 0, col_stride = 1;
+  size_t element_size = 1;
+};
+// The same question for strided views: exact when both have the same strides and element size
+// (e.g. interleaved columns b[:, ::2] and b[:, 1::2]) or reduce to row-major views as above,
+// conservative otherwise (or when deciding would take more than 2^16 steps).
+bool views_may_overlap(const StridedView& a, const StridedView& b);
+
 // Threads: the default count used when Options::num_threads == 0. 0 restores hardware concurrency.
 void set_num_threads(int n);
 int get_num_threads();
 
 // CPU instruction-set level of the row kernels. SCATTER_ADD_CPU_ISA=scalar|avx2|avx512|avx512_bf16
-// caps the level (it never raises it above what the CPU and OS support).
+// caps the level (it never raises it above what the CPU and OS support; an unknown name leaves
+// the best level in place).
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
 const char* isa_name(Isa isa);
 Isa supported_isa();  // the best level this CPU and OS support
