@@ -86,7 +86,8 @@ inline std::vector<int64_t> make_indices(Pattern p, int64_t n, int64_t k, std::m
       case Pattern::sorted: v[i] = u(rng); break;
       case Pattern::zipf: {  // power law (P(rank) ~ 1/rank^1.2), ranks scattered over the rows
         const double x = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-        const int64_t rank = static_cast<int64_t>(std::pow(1.0 - x, -1.0 / 0.2)) - 1;
+        // Clamped before the cast: (1-x)^-5 exceeds int64 for x close to 1.
+        const int64_t rank = static_cast<int64_t>(std::min(std::pow(1.0 - x, -1.0 / 0.2), 1e18)) - 1;
         v[i] = static_cast<int64_t>((static_cast<uint64_t>(rank % std::max<int64_t>(n, 1)) * 2654435761u) %
                                     static_cast<uint64_t>(std::max<int64_t>(n, 1)));
         break;
