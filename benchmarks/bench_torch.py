@@ -417,7 +417,7 @@ def main():
         saved = json.loads(Path(args.plot_only).read_text())
         m = saved["machine"]
         info = {"cpu": m["cpu"], "cpus": m["cpus"], "threads": m["torch_threads"], "torch": saved["torch"],
-                "date": saved["date"][:10]}
+                "date": saved["date"][:10], "commit": saved.get("git_commit")}
         print_op_table(saved["op_benchmark"], saved["stream_ceiling_gbs"])
         files = plots(saved["op_benchmark"], saved["moe_layer"], saved["stream_ceiling_gbs"], out_dir, info)
         print(f"\nwrote {len(files)} plots from {args.plot_only} (run of {saved['date']}, commit {saved['git_commit'][:7]})")
@@ -437,7 +437,7 @@ def main():
         moe_rows = moe.run(Progress)
         moe.print_table(moe_rows)
     dist_res = None if args.skip_moe else distributed_benchmark(args, out_dir)
-    files = plots(rows, moe_rows, ceiling, out_dir)
+    files = plots(rows, moe_rows, ceiling, out_dir, dict(plotting.run_info(), commit=git_commit()))
     result = {
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform()},

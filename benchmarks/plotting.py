@@ -98,8 +98,9 @@ def run_info(threads=None, date=None) -> dict:
 
 
 def run_title(what: str, info: dict) -> str:
+    commit = f", commit {info['commit'][:7]}" if info.get("commit") else ""
     return (f"{what}\n{info['cpu']}, {info['cpus']} CPUs, {info['threads']} threads, "
-            f"torch {info['torch']}, {info['date']}")
+            f"torch {info['torch']}, {info['date']}{commit}")
 
 
 def style():
