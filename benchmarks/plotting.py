@@ -173,3 +173,33 @@ def save(fig, path):
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return str(path)
+
+
+def speedup_heatmap(ax, grid, xlabels, ylabels, lo=0.25, hi=4.0, fmt="{:.1f}"):
+    """A grid of speedups (rows = ylabels, cols = xlabels; NaN = not measured) on a fixed scale:
+    red below 1x, green above, the same colours for the same value in every plot and run. Each
+    cell is written out, so the colour is never the only carrier of the number."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    grid = np.asarray(grid, dtype=float)
+    im = ax.imshow(grid, origin="lower", aspect="auto", cmap="RdYlGn", norm=LogNorm(vmin=lo, vmax=hi))
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            if not np.isnan(grid[i, j]):
+                v = grid[i, j]
+                dark = v >= hi / 1.6 or v <= lo * 1.6  # the ends of the scale are dark: white text
+                ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=8, color="white" if dark else "black")
+    ax.set_xticks(range(len(xlabels)), xlabels)
+    ax.set_yticks(range(len(ylabels)), ylabels)
+    ax.grid(False)
+    return im
+
+
+def speedup_colorbar(fig, im, axes, label="speedup (x)", lo=0.25, hi=4.0):
+    ticks = [t for t in (0.1, 0.25, 0.5, 1, 2, 4, 10) if lo <= t <= hi]
+    cb = fig.colorbar(im, ax=axes, shrink=0.8)
+    cb.set_ticks(ticks, labels=[f"{t:g}x" for t in ticks])
+    cb.minorticks_off()
+    cb.set_label(label)
+    return cb
