@@ -214,6 +214,13 @@ def test_readme_block(block, request):
             import kernels  # noqa: F401
         except ImportError:
             pytest.skip(f"{where} loads the package through `kernels`, which is not installed here")
+        import torch
+
+        default = "cpu" if torch.version.cuda is None else "cuda"
+        wanted = os.environ.get("SCATTER_ADD_BACKEND", default)
+        if wanted != default:  # the block calls the loader as a user does, with its default backend
+            pytest.skip(f"{where} loads the {default} variant (the loader's default on torch {torch.__version__}), "
+                        f"this run asks for SCATTER_ADD_BACKEND={wanted}; `make test-python` runs it on the .venv's torch")
     env = dict(kv.split("=", 1) for kv in str(opts.get("env", "")).split()) if "env" in opts else {}
     env = {k: v.replace("{root}", str(ROOT)) for k, v in env.items()}
     timeout = int(opts.get("timeout", 300))
