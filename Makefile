@@ -7,8 +7,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BUILD := .build/release
 JOBS ?= $(shell nproc)
+# Quiet recursive builds: CMake's own progress lines, no "Entering/Leaving directory" lines.
+MAKEFLAGS += --no-print-directory
 
-.PHONY: all deps venv cpp hub-no-python-h test test-cpp test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
+.PHONY: all deps venv cpp hub-no-python-h test test-cpp test-consumer test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
 .PHONY: test-python-venv-cuda compat
 
 all: cpp
@@ -21,7 +23,8 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null
-	$(PY) -m pip install -q -r requirements.txt
+	@echo "Installing requirements.txt into $(VENV) (once). The largest download is torch 2.13.0: about 190 MB as a CPU wheel, several GB as PyPI's default Linux wheel with its nvidia-* packages. pip shows each file's size and progress."
+	$(PY) -m pip install -r requirements.txt
 	@touch $@
 
 cpp: deps
@@ -31,15 +34,22 @@ cpp: deps
 test-cpp: cpp
 	ctest --test-dir $(BUILD) --output-on-failure
 
+# The library as another CMake project uses it: installed to a temporary prefix and found with
+# find_package, through add_subdirectory and FetchContent (GTest made unfindable), and by hand with
+# pkg-config. tests/cmake_consumer/main.cpp must print tests/cmake_consumer/expected.txt each way.
+test-consumer: cpp
+	@scripts/install_deps.sh pkg-config
+	JOBS=$(JOBS) tests/cmake_consumer/run.sh $(BUILD)
+
 # build/torch-stable-abi<XY>-cpu-<arch>-linux: built on torch's stable ABI, it loads on every torch
 # from the version build.toml names on (tests/python/test_stable_abi.py checks the binary).
 hub: deps venv
 	$(PY) scripts/build_hub.py --jobs $(JOBS)
 
 test-python: hub
-	$(PY) -m pytest tests/python -q
+	$(PY) -m pytest tests/python -q -rs
 
-test: test-cpp test-sanitizers test-python test-python-venv-cuda bench-quick hub-no-python-h cuda cuda-hub
+test: test-cpp test-consumer test-sanitizers test-python test-python-venv-cuda bench-quick hub-no-python-h cuda cuda-hub
 
 # Sanitizers (clang's runtimes from Debian): the whole C++ suite under ASan + UBSan, the threaded
 # path (std::thread backend, which TSan can see into) under TSan, and the fuzz corpus replayed.
@@ -89,13 +99,14 @@ VENV_CUDA := .venv-cuda
 $(VENV_CUDA)/.installed: requirements.txt
 	@test -x $(VENV_CUDA)/bin/python || $(PYTHON) -m venv $(VENV_CUDA)
 	grep -vE '^(torch|matplotlib)==' requirements.txt > $(VENV_CUDA)/requirements-test.txt
-	$(VENV_CUDA)/bin/python -m pip install -q $(CUDA_TORCH) -r $(VENV_CUDA)/requirements-test.txt
+	@echo "Installing $(CUDA_TORCH) (CUDA 13.0) and the test requirements into $(VENV_CUDA) (once): torch and its nvidia-* packages are about 2.7 GB to download, 5.4 GB on disk. pip shows each file's size and progress."
+	$(VENV_CUDA)/bin/python -m pip install $(CUDA_TORCH) -r $(VENV_CUDA)/requirements-test.txt
 	@touch $@
 
 # The CPU stable variant on that torch through the loader (backend="cpu"), under the Python suite
 # (all but the 4.3 GB test, which test-python runs).
 test-python-venv-cuda: hub $(VENV_CUDA)/.installed
-	SCATTER_ADD_BACKEND=cpu $(VENV_CUDA)/bin/python -m pytest tests/python -q \
+	SCATTER_ADD_BACKEND=cpu $(VENV_CUDA)/bin/python -m pytest tests/python -q -rs \
 	  --deselect tests/python/test_errors.py::test_huge_tensor_offsets_past_2_31
 
 # The cu<ver> hub variant, built against that torch (compile and link only), then the binary

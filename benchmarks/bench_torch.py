@@ -14,6 +14,7 @@
 3. results/bench.json (every figure, machine, torch, git commit) and PNG plots in results/.
 
     .venv/bin/python benchmarks/bench_torch.py [--quick] [--mixtral] [--out DIR]
+    .venv/bin/python benchmarks/bench_torch.py --plot-only results/bench.json --out DIR   (redraw only)
 """
 import argparse
 import json
@@ -32,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_moe import MoEBench  # noqa: E402
+import plotting  # noqa: E402
 
 NP_ADD_AT_MAX_ELEMENTS = 1 << 25  # np.add.at runs ~60 M elements/s here: above this, skipped
 
@@ -87,6 +89,19 @@ class StreamCeiling:
     def measure(self, budget=0.2):
         s = timeit(lambda: self.a.add_(self.b), budget=budget)
         return 3 * self.a.numel() * 4 / s / 1e9
+
+
+def llc_bytes():
+    """Size of the last-level cache (0 when the OS does not say)."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (d / "size").read_text().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+            best = max(best, int(size.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            pass
+    return best
 
 
 def make_index(dist, n, k, gen):
@@ -171,8 +186,10 @@ def op_benchmark(sa, args, stream):
         es = src.element_size()
         nbytes = k * d * es + 2 * r * d * es + k * 4
         ceiling = stream.measure()
-        row = {"dtype": str(dt).replace("torch.", ""), "D": d, "N": n, "K": k, "dist": dist, "R": r,
-               "bytes": nbytes, "ceiling_gbs": ceiling, "methods": {}}
+        working_set = k * d * es + n * d * es + k * 4  # src, out and the index
+        row = {"dtype": plotting.dtype_name(dt), "D": d, "N": n, "K": k, "dist": dist, "R": r,
+               "bytes": nbytes, "working_set_bytes": working_set, "fits_llc": bool(working_set <= llc_bytes()),
+               "ceiling_gbs": ceiling, "methods": {}}
         for name, setup in methods.items():
             res = {}
             x = x0.clone()
@@ -216,14 +233,14 @@ def print_op_table(rows, ceiling):
              "np_add_at": "np.add.at"}
     print(f"\nOp benchmark: ms (speedup of ours over it) | %ceil against the stream ceiling measured right "
           f"before each row (median {ceiling:.1f} GB/s) | det = bitwise same at 1 and 2 threads")
-    head = f"{'dtype':5} {'D':>5} {'N':>6} {'dist':8} {'ours ms':>8} {'GB/s':>6} {'ceil':>5} {'%ceil':>6} {'err':>8} {'det':>3} |"
+    head = f"{'dtype':8} {'D':>5} {'N':>6} {'dist':8} {'ours ms':>8} {'GB/s':>6} {'ceil':>5} {'%ceil':>6} {'err':>8} {'det':>3} |"
     for nm in names[1:]:
         head += f" {short.get(nm, nm):>17}"
     print(head)
     for r in rows:
         o = r["methods"]["ours"]
-        line = (f"{r['dtype'][:5]:5} {r['D']:>5} {r['N']:>6} {r['dist']:8} {o['ms']:8.2f} {o['gbs']:6.1f} {r['ceiling_gbs']:5.1f} "
-                f"{o['pct_ceiling']:5.0f}% {o['max_err']:8.1e} {'yes' if o['bitwise_reproducible'] else 'NO':>3} |")
+        line = (f"{r['dtype']:8} {r['D']:>5} {r['N']:>6} {r['dist']:8} {o['ms']:8.2f} {o['gbs']:6.1f} {r['ceiling_gbs']:5.1f} "
+                f"{o['pct_ceiling']:5.0f}{'%c' if r.get('fits_llc') else '% '}{o['max_err']:8.1e} {'yes' if o['bitwise_reproducible'] else 'NO':>3} |")
         for nm in names[1:]:
             m = r["methods"][nm]
             if "ms" in m:
@@ -233,13 +250,89 @@ def print_op_table(rows, ceiling):
             line += f" {cell:>17}"
         print(line)
     print("* = not bitwise reproducible across 1 and 2 threads. skip = np.add.at above 2^25 elements.")
+    llc = llc_bytes()
+    print(f"%c = the row's data (src, out and index) fits in the {llc / 2**20:.0f} MiB last-level cache, so repeated calls "
+          "can be served from it: %ceil above 100% means that, since the ceiling streams 512 MiB through DRAM.")
     print("max error against float64 (ours | peers at the same dtype):")
     for r in rows:
         errs = " ".join(f"{short.get(k, k)}={v['max_err']:.1e}" for k, v in r["methods"].items() if "max_err" in v)
-        print(f"  {r['dtype'][:5]} D={r['D']} N={r['N']} {r['dist']}: {errs}")
+        print(f"  {r['dtype']} D={r['D']} N={r['N']} {r['dist']}: {errs}")
 
 
-def plots(rows, moe_rows, ceiling, out_dir):
+def plot_speedup_vs_tokens(rows, info, path):
+    """Ours' speedup over each peer against N, moe_top2 rows: colour = peer, line style = D."""
+    dtypes = [dt for dt in ("bfloat16", "float16", "float32", "float64") if any(r["dtype"] == dt for r in rows)]
+    fig, axes = plotting.figure(1, len(dtypes), width=5.2, height=4.2, sharey=True)
+    peers_seen, ds_seen, speedups = [], [], []
+    for ax, dt in zip(axes[0], dtypes):
+        sel = [r for r in rows if r["dtype"] == dt and r["dist"] == "moe_top2"]
+        for d in sorted({r["D"] for r in sel}):
+            pts = sorted(((r["N"], r) for r in sel if r["D"] == d), key=lambda t: t[0])
+            ls, marker = plotting.d_style(d)
+            for nm in pts[0][1]["methods"]:
+                xs = [n for n, r in pts if nm != "ours" and "ours_speedup" in r["methods"][nm]]
+                ys = [r["methods"][nm]["ours_speedup"] for n, r in pts if n in xs]
+                if not xs:
+                    continue
+                ax.plot(xs, ys, color=plotting.method_color(nm), linestyle=ls, marker=marker, ms=4, lw=1.3)
+                speedups += ys
+                peers_seen += [nm] if nm not in peers_seen else []
+            ds_seen += [d] if d not in ds_seen else []
+        ns = sorted({r["N"] for r in sel})
+        plotting.plain_log_axis(ax, ns, "x", fmt=lambda v: f"{v:.0f}")
+        ax.set_xlim(ns[0] / 1.4, ns[-1] * 1.4)
+        ax.set_xlabel("tokens N (K = 2N rows added, top-2)")
+        ax.set_title(f"{dt}, moe_top2 index")
+    plotting.speedup_axis(axes[0][0], min(speedups, default=1), max(speedups, default=1))
+    for ax in axes[0][1:]:
+        ax.axhline(1.0, color="#444444", lw=1, zorder=1)
+    axes[0][0].set_ylabel("speedup of ours over the peer (x, log)\nabove 1x: ours is faster")
+    leg = plotting.legend_outside(fig, plotting.method_handles(peers_seen), [plotting.method_label(n) for n in peers_seen],
+                                  title="peer (colour)")
+    fig.add_artist(leg)
+    plotting.legend_outside(fig, plotting.d_handles(ds_seen), [f"D = {d}" for d in ds_seen],
+                            title="row width (line style)", y=0.2, loc="upper left")
+    fig.suptitle(plotting.run_title("MoE combine: speedup of scatter_add over each peer", info), y=1.02)
+    fig.tight_layout()
+    return plotting.save(fig, path)
+
+
+def plot_gbs_vs_shape(rows, ceiling, info, path):
+    """GB/s of every method at every shape: one panel per dtype x index distribution, the shapes as
+    categories (points, not lines), the ceiling measured before each row as a dash."""
+    dtypes = [dt for dt in ("bfloat16", "float16", "float32", "float64") if any(r["dtype"] == dt for r in rows)]
+    dists = [d for d in ("moe_top2", "uniform", "hot_row") if any(r["dist"] == d for r in rows)]
+    names = [nm for nm in rows[0]["methods"] if any("gbs" in r["methods"][nm] for r in rows)]
+    fig, axes = plotting.figure(len(dtypes), len(dists), width=4.6, height=3.4, sharey=True)
+    for i, dt in enumerate(dtypes):
+        for j, dist in enumerate(dists):
+            ax = axes[i][j]
+            sel = sorted((r for r in rows if r["dtype"] == dt and r["dist"] == dist), key=lambda r: (r["D"], r["N"]))
+            cats = [f"{r['N']}\nD{r['D']}" for r in sel]
+            series = {nm: [r["methods"][nm].get("gbs") for r in sel] for nm in names}
+            plotting.dodged_points(ax, cats, series, ms=3.5)
+            ax.plot(range(len(sel)), [r["ceiling_gbs"] for r in sel], linestyle="none", marker="_", ms=22, mew=2,
+                    color=plotting.method_color("ceiling"))
+            ax.set_title(f"{dt}, {dist}")
+            ax.tick_params(axis="x", labelsize=7)
+            if j == 0:
+                ax.set_ylabel("GB/s (bytes moved / median time)")
+            if i == len(dtypes) - 1:
+                ax.set_xlabel("tokens N and row width D")
+    top = max([m["gbs"] for r in rows for m in r["methods"].values() if "gbs" in m] + [r["ceiling_gbs"] for r in rows])
+    axes[0][0].set_ylim(0, top * 1.06)
+    handles = plotting.method_handles(names, linestyle="none") + [
+        plotting.Line2D([], [], color=plotting.method_color("ceiling"), marker="_", ms=14, mew=2, linestyle="none")]
+    labels = [plotting.method_label(n) for n in names] + [
+        f"ceiling: a += b measured right before\neach row (median {ceiling:.1f} GB/s)"]
+    plotting.legend_outside(fig, handles, labels)
+    fig.suptitle(plotting.run_title("GB/s by shape. Bytes moved = K*D*s + 2*R*D*s + 4K, the same for every method; "
+                                    "above the ceiling: rows that stay in the caches", info), y=1.02)
+    fig.tight_layout()
+    return plotting.save(fig, path)
+
+
+def plots(rows, moe_rows, ceiling, out_dir, info=None):
     try:
         import matplotlib
 
@@ -256,39 +349,9 @@ def plots(rows, moe_rows, ceiling, out_dir):
         files.append(str(out_dir / name))
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, dt in zip(axes, ["bfloat16", "float32"]):
-        sel = [r for r in rows if r["dtype"] == dt and r["dist"] == "moe_top2"]
-        for d in sorted({r["D"] for r in sel}):
-            pts = sorted((r["N"], r) for r in sel if r["D"] == d)
-            for nm in pts[0][1]["methods"]:
-                if nm == "ours":
-                    continue
-                xs = [n for n, r in pts if "ours_speedup" in r["methods"][nm]]
-                ys = [r["methods"][nm]["ours_speedup"] for n, r in pts if "ours_speedup" in r["methods"][nm]]
-                if xs:
-                    ax.plot(xs, ys, marker="o", label=f"vs {nm} D={d}")
-        ax.axhline(1.0, color="gray", lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens N (K = 2N, top-2)")
-        ax.set_ylabel("speedup of ours (x)")
-        ax.set_title(f"MoE combine, {dt}")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
-    save(fig, "speedup_vs_tokens.png")
-
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    labels = [f"{r['dtype'][:4]} D{r['D']} N{r['N']} {r['dist'][:3]}" for r in rows]
-    for nm in ["ours", "torch_index_add_i64", "torch_index_add_i32", "torch_compile_index_add"]:
-        ax.plot(range(len(rows)), [r["methods"][nm].get("gbs", float("nan")) for r in rows], marker=".", label=nm)
-    ax.plot(range(len(rows)), [r["ceiling_gbs"] for r in rows], color="red", ls="--",
-            label=f"stream ceiling a += b, measured per row (median {ceiling:.1f} GB/s)")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, rotation=90, fontsize=6)
-    ax.set_ylabel("GB/s (bytes moved floor / time)")
-    ax.legend(fontsize=7)
-    save(fig, "gbs_vs_shape.png")
+    info = info or plotting.run_info()
+    files.append(plot_speedup_vs_tokens(rows, info, out_dir / "speedup_vs_tokens.png"))
+    files.append(plot_gbs_vs_shape(rows, ceiling, info, out_dir / "gbs_vs_shape.png"))
 
     if moe_rows:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -336,14 +399,7 @@ def git_commit():
         return "unknown"
 
 
-def cpu_model():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+cpu_model = plotting.cpu_model
 
 
 def main():
@@ -352,9 +408,20 @@ def main():
     ap.add_argument("--mixtral", action="store_true", help="MoE layer at hidden 4096, intermediate 14336")
     ap.add_argument("--out", default=str(ROOT / "results"), help="directory for bench.json and plots")
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--plot-only", metavar="BENCH_JSON",
+                    help="measure nothing: print the op table and redraw the plots of a saved bench.json into --out")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        saved = json.loads(Path(args.plot_only).read_text())
+        m = saved["machine"]
+        info = {"cpu": m["cpu"], "cpus": m["cpus"], "threads": m["torch_threads"], "torch": saved["torch"],
+                "date": saved["date"][:10], "commit": saved.get("git_commit")}
+        print_op_table(saved["op_benchmark"], saved["stream_ceiling_gbs"])
+        files = plots(saved["op_benchmark"], saved["moe_layer"], saved["stream_ceiling_gbs"], out_dir, info)
+        print(f"\nwrote {len(files)} plots from {args.plot_only} (run of {saved['date']}, commit {saved['git_commit'][:7]})")
+        return
     torch.manual_seed(0)
     sa = load_ours()
     t0 = time.time()
@@ -370,7 +437,7 @@ def main():
         moe_rows = moe.run(Progress)
         moe.print_table(moe_rows)
     dist_res = None if args.skip_moe else distributed_benchmark(args, out_dir)
-    files = plots(rows, moe_rows, ceiling, out_dir)
+    files = plots(rows, moe_rows, ceiling, out_dir, dict(plotting.run_info(), commit=git_commit()))
     result = {
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform()},

@@ -1,7 +1,7 @@
 // The MoE combine step through the torch-free C++ API: 6 tokens, 4 experts x capacity 2, bf16
 // rows, float32 routing weights, padding slots marked -1. Builds one plan and uses it for the
 // combine (index_add_rows) and for the dispatch of the next layer (gather_rows).
-//   .build/release/examples/combine_example
+//   make cpp && .build/release/combine_example        (ctest runs it as example_combine)
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
