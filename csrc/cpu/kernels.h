@@ -46,7 +46,9 @@ struct DirectJob {
   const uint64_t* slot_bits;
   const int64_t* slot_base;
   bool prefetch;       // prefetch destination rows ahead (out larger than the caches)
-  uint64_t* mark_rows;  // dense: the add marks each row it touches here (null: slot_bits is set)
+  uint8_t* mark_rows;   // dense: the add sets byte r for each row r it touches (a plain store:
+                        // a bit would be a read-modify-write, chained through memory)
+  bool long_runs;       // sorted index whose runs are long: one-column runs summed run by run
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 

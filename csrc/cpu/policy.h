@@ -65,6 +65,12 @@ struct CpuPolicy {
   // (at most kMaxBlocks blocks) to cut the rows into shares of equal work.
   static constexpr int64_t kMaxBlocks = 4096;
   static constexpr int64_t kBalanceSamples = 16384;
+  // Sorted index, one column at a time: runs are summed run by run (a branch per run) when at
+  // least Num/Den of kRunSamples sampled neighbours share their row (mean run length 20 or more:
+  // a run costs about two mispredicted branches);
+  // shorter runs go through a loop with no branch per run.
+  static constexpr int64_t kRunSamples = 256;
+  static constexpr int64_t kLongRunSameNum = 19, kLongRunSameDen = 20;
 };
 
 }  // namespace cpu

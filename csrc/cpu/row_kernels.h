@@ -15,6 +15,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -54,6 +59,22 @@ struct RowKernels {
   // many entries ahead instead, since each row is only a line or a few.
   static constexpr int64_t kShortRowBytes = 256;
   static constexpr int64_t kPrefetchAhead = 16;
+
+  // mask (all ones or zero) ? a : b, without a branch: bitwise operations in the vector
+  // registers the values live in (a compiler turns a plain a ? b : c into a branch).
+  static A select_acc(uintptr_t mask, A a, A b) {
+#if defined(__SSE2__)
+    if constexpr (sizeof(A) == 4) {
+      const __m128 m = _mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(mask)));
+      return _mm_cvtss_f32(_mm_or_ps(_mm_and_ps(m, _mm_set_ss(a)), _mm_andnot_ps(m, _mm_set_ss(b))));
+    } else {
+      const __m128d m = _mm_castsi128_pd(_mm_cvtsi64_si128(static_cast<long long>(mask)));
+      return _mm_cvtsd_f64(_mm_or_pd(_mm_and_pd(m, _mm_set_sd(a)), _mm_andnot_pd(m, _mm_set_sd(b))));
+    }
+#else
+    return mask ? a : b;
+#endif
+  }
 
   template <bool Weighted>
   static V step(V acc, V x, V w) {
@@ -239,6 +260,37 @@ struct RowKernels {
     const int64_t m = c1 - c0, os = j.out_stride, ss = j.src_stride;
     const bool has_ignore = j.has_ignore;
     const int64_t ign = j.ignore;
+    if ((W == 1 || m == 1) && j.long_runs) {
+      // Long runs: each summed in a register, one branch per run (predicted when runs are long).
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t i = i0; i < i1;) {
+          const I r = idx[i];
+          int64_t e = i + 1;
+          while (e < i1 && idx[e] == r) ++e;
+          if (!(has_ignore && static_cast<int64_t>(r) == ign)) {
+            T* o = out + static_cast<int64_t>(r) * os + c;
+            A acc = E::get(*o);
+            for (int64_t x = i; x < e; ++x) acc = step1<Weighted>(acc, E::get(src[x * ss + c]), Weighted ? w[x] : A(1));
+            *o = E::put(acc);
+          }
+          i = e;
+        }
+      return;
+    }
+    if constexpr (std::is_same_v<T, A>) {
+      if (W == 1 || m == 1) {
+        // float32 / float64 rows hold the running sum exactly: each contribution reads its row
+        // and writes it back, with no dependency between rows.
+        for (int64_t c = c0; c < c1; ++c)
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t r = static_cast<int64_t>(idx[i]);
+            if (has_ignore && r == ign) continue;
+            T* o = out + r * os + c;
+            *o = step1<Weighted>(*o, src[i * ss + c], Weighted ? w[i] : A(1));
+          }
+        return;
+      }
+    }
     if (W == 1 || m == 1) {
       // One column at a time, without a branch per run (short runs of a random length would
       // mispredict): the running sum restarts from out where the row changes and is stored
@@ -253,9 +305,13 @@ struct RowKernels {
           const int64_t r = static_cast<int64_t>(idx[i]);
           if (has_ignore && r == ign) continue;
           T* o = out + r * os + c;
-          const bool fresh = r != prev;
-          const A start = E::get(*(fresh ? o : &dummy));
-          acc = fresh ? start : acc;
+          // All ones where the row changes. Opaque to the compiler, so that both selects below
+          // stay bit selects instead of becoming a branch that mispredicts on random run lengths.
+          uintptr_t fresh = uintptr_t(0) - uintptr_t(r != prev);
+          __asm__("" : "+r"(fresh));
+          const T* from = reinterpret_cast<const T*>((reinterpret_cast<uintptr_t>(o) & fresh) |
+                                                     (reinterpret_cast<uintptr_t>(&dummy) & ~fresh));
+          acc = select_acc(fresh, E::get(*from), acc);
           acc = step1<Weighted>(acc, E::get(src[i * ss + c]), Weighted ? w[i] : A(1));
           *o = E::put(acc);
           prev = r;
@@ -303,12 +359,16 @@ struct RowKernels {
     const T* src = static_cast<const T*>(j.src) + c0;
     const A* w = static_cast<const A*>(j.w);
     const int64_t m = c1 - c0;
-    const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T);
+    const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T), ab = static_cast<uint64_t>(j.scratch_stride) * sizeof(A);
     const uint64_t lo = static_cast<uint64_t>(j.row_lo), span = static_cast<uint64_t>(j.row_hi - j.row_lo);
     const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(j.ignore) - lo < span;
     for (int64_t i = i0; i < i1; ++i) {
-      if (!Dense && j.prefetch && i + kPrefetchAhead < i1)
-        prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
+      if (j.prefetch && i + kPrefetchAhead < i1) {  // dense: the slot is where the add goes
+        if (Dense)
+          prefetch_at(acc, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ab, 1);
+        else
+          prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
+      }
       const int64_t r = static_cast<int64_t>(idx[i]);
       if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == j.ignore)) continue;
       const T* s = src + i * j.src_stride;
@@ -317,7 +377,7 @@ struct RowKernels {
         add_once<Weighted>(out + r * j.out_stride, s, wi, m);
         continue;
       }
-      if (Dense && j.mark_rows != nullptr) j.mark_rows[r >> 6] |= uint64_t(1) << (r & 63);
+      if (Dense && j.mark_rows != nullptr) j.mark_rows[r] = 1;
       A* o = acc + (Dense ? r : slot_of(j, r)) * j.scratch_stride;
       if (W == 1 || m == 1) {
         for (int64_t c = 0; c < m; ++c) o[c] = step1<Weighted>(o[c], E::get(s[c]), wi);
@@ -337,6 +397,10 @@ struct RowKernels {
     T* out = static_cast<T*>(j.out) + c0;
     A* acc = static_cast<A*>(j.scratch);
     const int64_t m = c1 - c0;
+    if (W > 1 && m == 1 && j.out_stride == 1 && j.scratch_stride == 1 && j.slot_base == nullptr) {
+      scratch_copy_column(j, out, acc, rows, w0, w1, to_out);
+      return;
+    }
     for (int64_t wd = w0; wd < w1; ++wd) {
       uint64_t bits = ~uint64_t(0);
       if (rows != nullptr) {
@@ -372,6 +436,51 @@ struct RowKernels {
             Ops::store_part(o + c, Ops::load_acc_part(a + c, m - c), m - c);
           else
             Ops::store_acc_part(a + c, Ops::load_part(o + c, m - c), m - c);
+        }
+      }
+    }
+  }
+
+  // scratch_copy for one contiguous column with a slot per row (D = 1): W rows per vector.
+  static void scratch_copy_column(const DirectJob& j, T* out, A* acc, const uint64_t* rows, int64_t w0, int64_t w1,
+                                  bool to_out) {
+    const int64_t lo = std::max(j.row_lo, w0 * 64), hi = std::min(j.row_hi, w1 * 64);
+    if (!to_out || rows == nullptr) {  // every row of [lo, hi)
+      int64_t r = lo;
+      for (; r + W <= hi; r += W) {
+        if (to_out)
+          Ops::store(out + r, Ops::load_acc(acc + r));
+        else
+          Ops::store_acc(acc + r, Ops::load(out + r));
+      }
+      if (r < hi) {
+        if (to_out)
+          Ops::store_part(out + r, Ops::load_acc_part(acc + r, hi - r), hi - r);
+        else
+          Ops::store_acc_part(acc + r, Ops::load_part(out + r, hi - r), hi - r);
+      }
+      return;
+    }
+    // Back to out: only the marked rows are written; a vector is rounded at once and its
+    // marked lanes stored.
+    constexpr uint64_t kLanes = W >= 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
+    T lanes[W];
+    for (int64_t wd = w0; wd < w1; ++wd) {
+      const uint64_t bits = rows[wd];
+      if (bits == 0) continue;
+      for (int g = 0; g < 64; g += W) {
+        uint64_t b = (bits >> g) & kLanes;
+        if (b == 0) continue;
+        const int64_t r = wd * 64 + g;
+        if (b == kLanes) {
+          Ops::store(out + r, Ops::load_acc(acc + r));
+          continue;
+        }
+        const int64_t avail = std::min<int64_t>(W, j.row_hi - r);  // slots that exist
+        Ops::store_part(lanes, Ops::load_acc_part(acc + r, avail), avail);
+        for (; b != 0; b &= b - 1) {
+          const int q = __builtin_ctzll(b);
+          out[r + q] = lanes[q];
         }
       }
     }

@@ -51,6 +51,11 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   auto value = [&](int64_t i) {
     return i64 ? static_cast<const int64_t*>(index.data)[i] : static_cast<const int32_t*>(index.data)[i];
   };
+  // Mean run length from a sample of neighbours: a run ends where a neighbour differs.
+  int64_t same = 0, probes = 0;
+  const int64_t step = std::max<int64_t>(1, (k - 1) / CpuPolicy::kRunSamples);
+  for (int64_t i = 0; i + 1 < k; i += step, ++probes) same += value(i) == value(i + 1);
+  job.long_runs = same * CpuPolicy::kLongRunSameDen >= probes * CpuPolicy::kLongRunSameNum;
   auto run_start = [&](int64_t i) {  // the first source of the run holding entry i (i <= k)
     while (i > 0 && i < k && value(i) == value(i - 1)) ++i;
     return i;
@@ -134,6 +139,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
                  static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
 
   const bool scratch = dense || (narrow && scan.repeated > 0);
+  std::vector<uint8_t> marks(dense && !mark_in_pass ? static_cast<size_t>(n) : 0);
   std::vector<int64_t> slot_base;
   std::vector<float> acc;
   if (scratch) {
@@ -151,7 +157,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     job.scratch = acc.data();
     job.slot_bits = dense ? nullptr : bits.data();
     job.slot_base = dense ? nullptr : slot_base.data();
-    job.mark_rows = dense && !mark_in_pass ? seen.data() : nullptr;
+    job.mark_rows = marks.empty() ? nullptr : marks.data();
   }
   const KernelTable& kt = active_kernels();
   const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
@@ -199,6 +205,13 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       copy(mine, dense ? nullptr : bits.data(), w0, w1, c0, c1, false);
     }
     add(mine, 0, k, c0, c1);
+    if (!marks.empty()) {  // this thread's rows (whole words: blocks are multiples of 64 rows)
+      for (int64_t wd = w0; wd < w1; ++wd) {
+        uint64_t word = 0;
+        for (int64_t b = 0, r = wd * 64; b < 64 && r < n; ++b, ++r) word |= uint64_t(marks[static_cast<size_t>(r)]) << b;
+        seen[static_cast<size_t>(wd)] = word;
+      }
+    }
     if (scratch) copy(mine, dense ? seen.data() : bits.data(), w0, w1, c0, c1, true);
   });
 }

@@ -94,6 +94,10 @@ const StrategyShape kStrategyShapes[] = {
     {50, 2000, 2, Pattern::zipf},     {20, 60, 17, Pattern::all_equal}, {300, 600, 64, Pattern::moe_topk},
     {64, 700, 33, Pattern::hot_row},  {40, 30, 1030, Pattern::hot_row}, {100, 300, 129, Pattern::sorted},
     {5000, 3000, 16, Pattern::zipf},  {2000, 5000, 1, Pattern::sorted}, {50, 900, 1030, Pattern::sorted},
+    // long runs of a sorted index (summed run by run), one column and a few
+    {30, 3000, 1, Pattern::sorted},   {3, 500, 5, Pattern::sorted},
+    // a bf16/f16 scratch over one column, large enough for a row split across threads
+    {20000, 60000, 1, Pattern::uniform},
 };
 const sa::Strategy kStrategies[] = {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix};
 
