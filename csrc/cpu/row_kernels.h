@@ -497,6 +497,18 @@ struct RowKernels {
     const int64_t m = c1 - c0;
     const size_t bytes = static_cast<size_t>(m) * sizeof(T);
     const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
+    if (!Weighted) {  // short rows: a copy of constant size, inlined
+      switch (bytes) {
+        case 4: return copy_rows<I, 4>(j, dst, x, i0, i1);
+        case 8: return copy_rows<I, 8>(j, dst, x, i0, i1);
+        case 16: return copy_rows<I, 16>(j, dst, x, i0, i1);
+        case 32: return copy_rows<I, 32>(j, dst, x, i0, i1);
+        case 64: return copy_rows<I, 64>(j, dst, x, i0, i1);
+        case 128: return copy_rows<I, 128>(j, dst, x, i0, i1);
+        case 256: return copy_rows<I, 256>(j, dst, x, i0, i1);
+        default: break;
+      }
+    }
     for (int64_t i = i0; i < i1; ++i) {
       if (i + kPrefetchAhead < i1) prefetch_at(x, static_cast<uint64_t>(idx[i + kPrefetchAhead]), xb);
       const int64_t r = static_cast<int64_t>(idx[i]);
@@ -522,6 +534,20 @@ struct RowKernels {
       int64_t c = 0;
       for (; c + W <= m; c += W) Ops::store(d + c, Ops::mul(Ops::load(s + c), wv));
       if (c < m) Ops::store_part(d + c, Ops::mul(Ops::load_part(s + c, m - c), wv), m - c);
+    }
+  }
+
+  template <class I, size_t Bytes>
+  static void copy_rows(const GatherJob& j, T* dst, const T* x, int64_t i0, int64_t i1) {
+    const I* idx = static_cast<const I*>(j.index);
+    const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kPrefetchAhead < i1) prefetch_at(x, static_cast<uint64_t>(idx[i + kPrefetchAhead]), xb);
+      const int64_t r = static_cast<int64_t>(idx[i]);
+      if (j.has_ignore && r == j.ignore)
+        std::memset(dst + i * j.dst_stride, 0, Bytes);
+      else
+        std::memcpy(dst + i * j.dst_stride, x + r * j.x_stride, Bytes);
     }
   }
 
