@@ -95,7 +95,11 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
       collect(static_cast<const int64_t*>(index.data));
   }
   const bool fits32 = num_rows <= (int64_t(1) << 32) && k <= (int64_t(1) << 32);
-  bool radix = method == Strategy::radix ||
+  // A forced count keeps its O(num_rows) histogram only while that is not far larger than the
+  // index: the plan (and every result) is the same either way, the histogram of a huge num_rows
+  // would not fit in memory.
+  const bool count_fits = num_rows <= std::max<int64_t>(int64_t(1) << 26, 64 * std::max<int64_t>(kept, 1));
+  bool radix = method == Strategy::radix || (method == Strategy::count && !count_fits) ||
                (method != Strategy::count && cpu::plan_prefers_radix(num_rows, kept));
   sources_.resize(static_cast<size_t>(kept));
 

@@ -2,6 +2,8 @@
 #include "validate.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <type_traits>
 
@@ -66,6 +68,19 @@ bool may_overlap(const ByteView& a, const ByteView& b) {
   return (r < a.width && rows_pair(q)) || (r + b.width > s && rows_pair(q + 1));
 }
 
+// The kernels load whole elements: a pointer must be aligned to its element size.
+void check_aligned(const char* op, const char* name, const void* data, int64_t es) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
+  if (p % static_cast<uintptr_t>(es) != 0)
+    cpu::fail(op, Error::Kind::value,
+              std::string(name) + " data pointer is not aligned to its element size of " + std::to_string(es) +
+                  " bytes (address ends in 0x" + [&] {
+                    char buf[8];
+                    std::snprintf(buf, sizeof buf, "%x", static_cast<unsigned>(p & 0xF));
+                    return std::string(buf);
+                  }() + ")");
+}
+
 void check_view(const char* op, const char* name, const void* data, int64_t rows, int64_t cols,
                 int64_t stride, DType dtype, bool writable) {
   if (!valid_dtype(dtype))
@@ -86,6 +101,7 @@ void check_view(const char* op, const char* name, const void* data, int64_t rows
   if (rows == 0 || cols == 0) return;
   // (rows - 1) * stride + cols elements of es bytes must fit in the address space from data.
   const int64_t es = static_cast<int64_t>(dtype_size(dtype));
+  check_aligned(op, name, data, es);
   int64_t span = 0, bytes = 0;
   const bool overflow = __builtin_mul_overflow(rows - 1, rows > 1 ? stride : 0, &span) ||
                         __builtin_add_overflow(span, cols, &span) ||
@@ -106,6 +122,7 @@ void check_weight(const char* op, const WeightVector& w, int64_t k) {
   if (w.size != k)
     cpu::fail(op, Error::Kind::value,
               "weight has " + std::to_string(w.size) + " entries but index has " + std::to_string(k));
+  if (k > 0) check_aligned(op, "weight", w.data, static_cast<int64_t>(dtype_size(w.dtype)));
 }
 
 // `other` (index or weight bytes, a one-row view) must not share a byte with the output view.
@@ -238,10 +255,27 @@ bool as_rows(const Strided& v, ByteView* out) {
 
 }  // namespace
 
+namespace {
+// Whether a view's bytes, [data, data + (rows-1)*rs*es + (cols-1)*cs*es + es), fit in the address
+// space with every product in int64 range (strides >= 0, rows, cols >= 1). The public overlap
+// questions take unchecked views: one that cannot exist is answered "may overlap".
+bool extent_fits(const void* data, int64_t rows, int64_t cols, int64_t rs, int64_t cs, int64_t es) {
+  const __int128 last = static_cast<__int128>(rows - 1) * rs * es + static_cast<__int128>(cols - 1) * cs * es + es;
+  const __int128 limit = static_cast<__int128>(1) << 62;
+  const __int128 rs_bytes = static_cast<__int128>(rs) * es, cs_bytes = static_cast<__int128>(cs) * es;
+  return last < limit && rs_bytes < limit && cs_bytes < limit &&
+         static_cast<__int128>(reinterpret_cast<uintptr_t>(data)) + last <= static_cast<__int128>(UINTPTR_MAX);
+}
+}  // namespace
+
 bool views_may_overlap(const StridedView& a, const StridedView& b) {
   if (a.data == nullptr || b.data == nullptr || a.rows <= 0 || a.cols <= 0 || b.rows <= 0 || b.cols <= 0)
     return false;
   if (a.row_stride < 0 || a.col_stride < 0 || b.row_stride < 0 || b.col_stride < 0) return true;
+  if (a.element_size == 0 || b.element_size == 0 || a.element_size > 64 || b.element_size > 64) return true;
+  if (!extent_fits(a.data, a.rows, a.cols, a.row_stride, a.col_stride, static_cast<int64_t>(a.element_size)) ||
+      !extent_fits(b.data, b.rows, b.cols, b.row_stride, b.col_stride, static_cast<int64_t>(b.element_size)))
+    return true;
   const auto bytes = [](const StridedView& v) {
     const int64_t es = static_cast<int64_t>(v.element_size);
     return Strided{reinterpret_cast<uintptr_t>(v.data), v.rows, v.cols, v.row_stride * es, v.col_stride * es, es};
@@ -263,6 +297,12 @@ bool views_may_overlap(const StridedView& a, const StridedView& b) {
 
 bool views_may_overlap(const ConstMatrix& a, const ConstMatrix& b) {
   if (!valid_dtype(a.dtype) || !valid_dtype(b.dtype)) return true;
+  for (const ConstMatrix* v : {&a, &b})
+    if (v->data != nullptr && v->rows > 0 && v->cols > 0 &&
+        (v->row_stride < 0 ||
+         !extent_fits(v->data, v->rows, v->cols, v->rows > 1 ? v->row_stride : 0, 1,
+                      static_cast<int64_t>(dtype_size(v->dtype)))))
+      return true;
   return may_overlap(bytes_of(a.data, a.rows, a.cols, a.row_stride, dtype_size(a.dtype)),
                      bytes_of(b.data, b.rows, b.cols, b.row_stride, dtype_size(b.dtype)));
 }
@@ -287,6 +327,7 @@ void check_index(const char* op, const IndexVector& index, int64_t k_expected, c
              std::to_string(k_expected) + " rows");
   if (index.data == nullptr && index.size > 0)
     fail(op, Error::Kind::value, "index is null but has " + std::to_string(index.size) + " entries");
+  if (index.size > 0) check_aligned(op, "index", index.data, index.type == IndexType::i32 ? 4 : 8);
 }
 
 void check_add_args(const char* op, const Matrix& out, const ConstMatrix& src,

@@ -8,6 +8,7 @@
 // rounded once per output element. Duplicate indices are summed in source-row order, so results
 // are bitwise identical for every thread count and every run. Every argument is validated before
 // the first write: on error a scatter_add::Error is thrown and the output is left untouched.
+// Every pointer must be aligned to its element size (a misaligned one is refused).
 //
 // Summation contract (the same bits whatever runs): each output element starts from out's value,
 // adds its contributions in increasing source order as fma(w, s, acc) (acc + s unweighted) in

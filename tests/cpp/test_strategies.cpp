@@ -389,3 +389,55 @@ TEST(StrategyEnv, UnknownNameIsAnErrorNamingTheVariable) {
 }
 
 }  // namespace
+
+TEST(BadViews, MisalignedPointersAreRefusedAndOutIsUntouched) {
+  alignas(16) unsigned char buf[4096] = {};
+  alignas(16) float out[8 * 4] = {};
+  const float src_ok[2 * 4] = {1, 2, 3, 4, 5, 6, 7, 8};
+  const int64_t idx_ok[2] = {0, 3};
+  auto try_add = [&](void* o, const void* s, const void* i, const void* w) {
+    try {
+      sa::index_add_rows({o, 8, 4, 4, DType::f32}, {i, 2, IndexType::i64}, {s, 2, 4, 4, DType::f32},
+                         {w, 2, DType::f32}, {});
+    } catch (const sa::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::memcpy(buf + 1, src_ok, sizeof src_ok);
+  std::memcpy(buf + 201, idx_ok, sizeof idx_ok);
+  const float w_ok[2] = {1, 1};
+  std::memcpy(buf + 403, w_ok, sizeof w_ok);
+  EXPECT_NE(try_add(out, buf + 1, idx_ok, nullptr).find("src data pointer is not aligned"), std::string::npos);
+  EXPECT_NE(try_add(out, src_ok, buf + 201, nullptr).find("index data pointer is not aligned"), std::string::npos);
+  EXPECT_NE(try_add(out, src_ok, idx_ok, buf + 403).find("weight data pointer is not aligned"), std::string::npos);
+  for (float v : out) EXPECT_EQ(v, 0.0f);
+  // The output itself misaligned: refused, its bytes unchanged.
+  std::memset(buf + 600, 0x5A, 8 * 4 * 4 + 1);
+  EXPECT_NE(try_add(buf + 601, src_ok, idx_ok, nullptr).find("out data pointer is not aligned"), std::string::npos);
+  for (int b = 601; b < 601 + 8 * 4 * 4; ++b) EXPECT_EQ(buf[b], 0x5A);
+  // Aligned: accepted.
+  EXPECT_EQ(try_add(out, src_ok, idx_ok, w_ok), "");
+  EXPECT_EQ(out[12], 5.0f);
+}
+
+TEST(Overlap, ViewsTooLargeToExistAreAnsweredConservatively) {
+  alignas(8) static double cell[4];
+  // cols * 8 bytes overflows int64: such a view cannot exist; "may overlap" is the safe answer.
+  const int64_t huge = int64_t(1) << 62;
+  EXPECT_TRUE(sa::views_may_overlap(sa::ConstMatrix{cell, 1, huge, huge, DType::f64},
+                                    sa::ConstMatrix{cell + 2, 1, 1, 1, DType::f64}));
+  sa::StridedView a{cell, 2, 1, huge, 1, 8}, b{cell + 1, 1, 1, 1, 1, 8};
+  EXPECT_TRUE(sa::views_may_overlap(a, b));
+  sa::StridedView c{cell, huge, 1, 1, 1, 8}, d{cell, huge, 1, 1, 1, 8};
+  EXPECT_TRUE(sa::views_may_overlap(c, d));
+}
+
+TEST(PlanBuild, ForcedCountOverHugeRowCountsStillBuildsThePlan) {
+  const int64_t idx[3] = {int64_t(1) << 39, 5, int64_t(1) << 39};
+  const sa::Plan p = sa::Plan::build({idx, 3, IndexType::i64}, int64_t(1) << 40, std::nullopt, sa::Strategy::count);
+  const sa::Plan q = sa::Plan::build({idx, 3, IndexType::i64}, int64_t(1) << 40, std::nullopt, sa::Strategy::radix);
+  EXPECT_EQ(p.rows(), q.rows());
+  EXPECT_EQ(p.offsets(), q.offsets());
+  EXPECT_EQ(p.sources(), q.sources());
+}
