@@ -23,8 +23,8 @@ Isa detect_isa() {
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return Isa::scalar;
   const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12),
-             f16c = c & (1u << 29);
-  if (!(osxsave && avx && fma && f16c)) return Isa::scalar;
+             f16c = c & (1u << 29), popcnt = c & (1u << 23);
+  if (!(osxsave && avx && fma && f16c && popcnt)) return Isa::scalar;
   const uint64_t xcr0 = read_xcr0();
   if ((xcr0 & 0x6) != 0x6) return Isa::scalar;  // XMM and YMM state enabled by the OS
   if (__get_cpuid_max(0, nullptr) < 7) return Isa::scalar;
