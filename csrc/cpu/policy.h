@@ -26,34 +26,34 @@ struct CpuPolicy {
   // Fitted to `bench_scatter_add --calibrate` (140 shapes: D 1..4096 x N/K 1/100..100 x float32 /
   // bfloat16 x uniform / power-law index, every strategy timed in thread CPU time) on a 2-core
   // Xeon (Sapphire Rapids) by minimising the regret of the pick (its time over the best
-  // strategy's). `bench_scatter_add --evaluate FILE.csv` re-scores a saved calibration:
-  // geometric-mean regret 1.04x, worst 2.2x, where timings of one shape vary by up to 1.5x
+X
+  // geometric-mean regret 1.02x, worst 1.39x, where timings of one shape vary by up to 1.5x
   // between runs.
   // Per index entry: the direct walk (float32/float64; bf16/fp16 with a dense scratch; bf16/fp16
   // with a sparse one) and the planned walk; per destination row of the planned walk.
-  static constexpr double kDirectNsPerEntry = 1.8;
-  static constexpr double kDirect16NsPerEntry = 7.1;
-  static constexpr double kDirect16SparseNsPerEntry = 30.0;
+  static constexpr double kDirectNsPerEntry = 1.45;
+  static constexpr double kDirect16NsPerEntry = 3.69;
+  static constexpr double kDirect16SparseNsPerEntry = 9.96;
   static constexpr double kPlannedNsPerEntry = 0.0;
-  static constexpr double kPlannedNsPerRow = 19.5;
+  static constexpr double kPlannedNsPerRow = 15.0;
   // Per byte: streamed from memory, read and written in cache, read or written at a random row in
   // memory (plus a fixed cost per such row, for destination rows and for source rows).
-  static constexpr double kNsPerByteStream = 0.062;
-  static constexpr double kNsPerByteCached = 0.018;
-  static constexpr double kNsPerByteMemory = 0.074;
-  static constexpr double kNsPerRandomRow = 9.6;
-  static constexpr double kNsPerRandomSourceRow = 66.0;
+  static constexpr double kNsPerByteStream = 0.0413;
+  static constexpr double kNsPerByteCached = 0.0035;
+  static constexpr double kNsPerByteMemory = 0.0306;
+  static constexpr double kNsPerRandomRow = 2.06;
+  static constexpr double kNsPerRandomSourceRow = 18.7;
   // The working set that counts as cached.
-  static constexpr double kCacheBytes = 660e3;
+  static constexpr double kCacheBytes = 838e3;
   // Sparse scratch: per row of N (two bitmaps and their ranks).
-  static constexpr double kBitmapNsPerRow = 0.041;
+  static constexpr double kBitmapNsPerRow = 0.116;
   // Plan building. Counting sort: per row of N and per entry. Radix sort: digits of at most
   // kRadixDigitBits bits; per entry and pass, per bucket and pass.
-  static constexpr double kCountNsPerRow = 0.75;
-  static constexpr double kCountNsPerEntry = 0.63;
+  static constexpr double kCountNsPerRow = 3.09;
+  static constexpr double kCountNsPerEntry = 0.51;
   static constexpr int kRadixDigitBits = 11;
-  static constexpr double kRadixNsPerEntryPass = 2.6;
-  static constexpr double kRadixNsPerBucket = 0.6;
+  static constexpr double kRadixNsPerEntryPass = 2.49;
+  static constexpr double kRadixNsPerBucket = 0.318;
 
   // Direct with several threads: split columns when each thread gets at least this many bytes
   // of every row (whole cache lines, and a balanced split whatever the index), rows otherwise.
