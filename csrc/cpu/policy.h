@@ -26,7 +26,8 @@ struct CpuPolicy {
   // Fitted to `bench_scatter_add --calibrate` (140 shapes: D 1..4096 x N/K 1/100..100 x float32 /
   // bfloat16 x uniform / power-law index, every strategy timed in thread CPU time) on a 2-core
   // Xeon (Sapphire Rapids) by minimising the regret of the pick (its time over the best
-X
+  // strategy's). `bench_scatter_add --evaluate benchmarks/cpu_calibration.csv` re-scores the
+  // calibration these constants were fitted to:
   // geometric-mean regret 1.02x, worst 1.39x, where timings of one shape vary by up to 1.5x
   // between runs.
   // Per index entry: the direct walk (float32/float64; bf16/fp16 with a dense scratch; bf16/fp16
