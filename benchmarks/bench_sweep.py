@@ -25,8 +25,8 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -184,38 +184,32 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def heatmap(results, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
+def heatmap(results, path, what, info):
+    """Speedup heatmaps (uniform index, decode-sized calls left out): scatter-add against torch's
+    best path on the top row, gather against index_select / x[idx] below, float32 and bfloat16."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plotting
 
     ratios = ["1/1000", "1/100", "1/10", "1", "10", "100", "1000"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 6.2), constrained_layout=True)
-    for ax, dt in zip(axes, ("float32", "bfloat16")):
-        grid = np.full((len(DS), len(RATIOS)), np.nan)
-        for c in results:
-            if c["dtype"] != dt or c["dist"] != "uniform" or (c["n"], c["k"]) in TINY:
-                continue
-            j = int(np.argmin([abs(math.log(c["n"] / c["k"]) - math.log(r)) for r in RATIOS]))
-            grid[DS.index(c["d"]), j] = c["speedup"]
-        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="RdYlGn", norm=LogNorm(vmin=0.25, vmax=4))
-        for i in range(len(DS)):
-            for j in range(len(RATIOS)):
-                if not np.isnan(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(RATIOS)), ratios)
-        ax.set_yticks(range(len(DS)), [str(d) for d in DS])
-        ax.set_xlabel("N / K (destination rows per index entry)")
-        ax.set_ylabel("D (columns)")
-        ax.set_title(f"{dt}, uniform index")
-    cb = fig.colorbar(im, ax=axes, shrink=0.8)
-    cb.set_label("speedup over torch's best path (x)")
-    cb.set_ticks([0.25, 0.5, 1, 2, 4], labels=["0.25", "0.5", "1", "2", "4"])
-    fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig, axes = plotting.figure(2, 2, width=6.2, height=4.6, constrained_layout=True)
+    ims = []
+    for row, (key, name) in enumerate((("speedup", "scatter_add vs index_add_ / scatter_add_"),
+                                       ("gather_speedup", "gather vs index_select / x[idx]"))):
+        for col, dt in enumerate(("float32", "bfloat16")):
+            ax = axes[row][col]
+            grid = np.full((len(DS), len(RATIOS)), np.nan)
+            for c in results:
+                if c["dtype"] != dt or c["dist"] != "uniform" or (c["n"], c["k"]) in TINY or key not in c:
+                    continue
+                j = int(np.argmin([abs(math.log(c["n"] / c["k"]) - math.log(r)) for r in RATIOS]))
+                grid[DS.index(c["d"]), j] = c[key]
+            ims.append(plotting.speedup_heatmap(ax, grid, ratios, [str(d) for d in DS]))
+            ax.set_xlabel("N / K (destination rows per index entry)")
+            ax.set_ylabel("D (columns)")
+            ax.set_title(f"{name}, {dt}, uniform index")
+    plotting.speedup_colorbar(fig, ims[0], [a for r in axes for a in r], label="speedup of ours (x)")
+    fig.suptitle(plotting.run_title(what, info))
+    plotting.save(fig, path)
 
 
 def main():
@@ -307,10 +301,18 @@ def main():
     for c in sorted(g, key=lambda c: c["gather_speedup"])[:6]:
         print(f"  {label(c)} {c['gather_us']:10.1f} {c['gather_torch_us']:10.1f}  {c['gather_speedup']:5.2f}x")
 
-    title = (f"scatter-add vs torch's best path (index_add_ / scatter_add_), "
-             f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plotting
+
+    info = plotting.run_info(threads=torch.get_num_threads())
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                        check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    clock = "thread CPU time" if CLOCK is time.thread_time else "wall time"
     png = out_dir / "sweep_speedup.png"
-    heatmap(results, png, title)
+    heatmap(results, png, f"Shape sweep: speedup of scatter-add over torch's best path ({clock}, medians)", info)
     bench = out_dir / "bench.json"
     data = json.loads(bench.read_text()) if bench.exists() else {}
     data["sweep"] = {"cells": results, "stream_ceiling_gbs": ceiling, "geomean": geomean(sp),

@@ -99,8 +99,8 @@ def run_info(threads=None, date=None) -> dict:
 
 def run_title(what: str, info: dict) -> str:
     commit = f", commit {info['commit'][:7]}" if info.get("commit") else ""
-    return (f"{what}\n{info['cpu']}, {info['cpus']} CPUs, {info['threads']} threads, "
-            f"torch {info['torch']}, {info['date']}{commit}")
+    threads = f"{info['threads']} thread" + ("" if info["threads"] == 1 else "s")
+    return f"{what}\n{info['cpu']}, {info['cpus']} CPUs, {threads}, torch {info['torch']}, {info['date']}{commit}"
 
 
 def style():
