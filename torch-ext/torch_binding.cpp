@@ -10,10 +10,12 @@
 //
 // Errors. Through the stable ABI a kernel can only raise RuntimeError, so every error this file
 // raises is a std::runtime_error whose message is "<Kind>: <op>: <what>": IndexError for bad index
-// values, ValueError for shapes, dtypes, devices, strides, overlap and bad argument values (a
-// wrong argument type, the third kind the Python API knows, is refused by torch's schema check
-// before a kernel runs). Python sees exactly that message; the Python API re-raises it as <Kind>.
-// Every check runs before the first write, so input is untouched after any error.
+// values, ValueError for shapes, dtypes, devices, strides, overlap and bad argument values,
+// TypeError for None given for a tensor argument (any other wrong argument type is refused by
+// torch's schema check before a kernel runs). The messages are word for word those of the fake
+// kernels' checks (scatter_add/_checks.py). Python sees exactly that message; the Python API
+// re-raises it as <Kind>. Every check runs before the first write, so input is untouched after any
+// error.
 #if defined(SCATTER_ADD_NO_PYTHON_H)
 // No Python headers on the build machine (python3-dev missing, as it may be on a GPU image): the
 // few declarations the empty module below needs, as the stable ABI (abi3) has fixed them since
@@ -104,13 +106,14 @@ namespace {
 
 // --- errors ----------------------------------------------------------------------------------
 
-enum class Kind { index, value };
+enum class Kind { index, value, type };
 
 // Throws "<Kind>: <op>: <what...>" (see the top of the file).
 template <class... A>
 [[noreturn]] void fail(Kind kind, const char* op, const A&... what) {
   std::ostringstream s;
-  s << (kind == Kind::index ? "IndexError: " : "ValueError: ") << op << ": ";
+  s << (kind == Kind::index ? "IndexError: " : kind == Kind::value ? "ValueError: " : "TypeError: ") << op
+    << ": ";
   (s << ... << what);
   throw std::runtime_error(s.str());
 }
@@ -243,35 +246,48 @@ void check_args(const char* op, const Info& input, const Info& index, const Info
 
 // --- overlap, decided on the elements each view touches (the core's views_may_overlap) ----------
 
-// A same-sized core dtype for an element size (the overlap test only counts bytes).
-sa::DType sized_dtype(int64_t es) {
-  return es == 8 ? sa::DType::f64 : es == 4 ? sa::DType::f32 : sa::DType::f16;
+// A 1-D or 2-D tensor as the strided view the core's overlap test takes, with its real strides, so
+// that interleaved views (b[:, ::2] and b[:, 1::2]) are told apart element by element. A 1-D tensor
+// is one row; a transpose is taken as its rows (the same elements), which the test can compare
+// with other rows.
+sa::StridedView overlap_view(const Info& i) {
+  sa::StridedView v;
+  v.data = i.data();
+  v.element_size = static_cast<size_t>(element_size(i.dtype));
+  if (i.dim == 1) {
+    v.rows = 1, v.row_stride = 0, v.cols = i.size[0], v.col_stride = i.stride[0];
+  } else {
+    v.rows = i.size[0], v.row_stride = i.stride[0], v.cols = i.size[1], v.col_stride = i.stride[1];
+    if (v.rows > 1 && v.cols > 1 && v.row_stride == 1 && v.col_stride != 1) {  // a transpose
+      std::swap(v.rows, v.cols);
+      std::swap(v.row_stride, v.col_stride);
+    }
+  }
+  return v;
 }
 
-// A 1-D or 2-D tensor as the row-major view the core's overlap test takes: rows along the outer
-// dimension when the inner one is dense, along the inner one for a transpose, one element per row
-// for a strided 1-D tensor; any other layout is its whole byte span, which can only over-report.
-sa::ConstMatrix overlap_view(const Info& i) {
-  const int64_t es = element_size(i.dtype);
-  const sa::DType dt = sized_dtype(es);
-  const void* data = i.data();
-  int64_t n0 = 1, s0 = 0, n1 = 1, s1 = 1;
-  if (i.dim == 1) {
-    n1 = i.size[0], s1 = i.stride[0];
-  } else {
-    n0 = i.size[0], s0 = i.stride[0], n1 = i.size[1], s1 = i.stride[1];
+// The test is exact for two views with the same strides. A dimension of one element may take any
+// stride, and a view turned (its rows as columns) touches the same elements: `b` is turned, and
+// the strides of such dimensions in either view are set, when that gives the two views the same
+// strides.
+void align_strides(sa::StridedView& a, sa::StridedView& b) {
+  auto match = [](int64_t n, int64_t& s, int64_t m, int64_t& t) {  // (size, stride) pairs
+    if (n > 1 && m > 1) return s == t;
+    if (n > 1) t = s;
+    else if (m > 1) s = t;
+    else s = t = 0;
+    return true;
+  };
+  sa::StridedView x = a, y = b;
+  if (match(x.rows, x.row_stride, y.rows, y.row_stride) && match(x.cols, x.col_stride, y.cols, y.col_stride)) {
+    a = x, b = y;
+    return;
   }
-  if (n0 == 0 || n1 == 0) return {data, 0, 0, 0, dt};
-  if (n1 == 1) n1 = n0, s1 = s0, n0 = 1, s0 = 0;  // a column: one run
-  if (n0 > 1 && s1 != 1 && s0 == 1) {             // a transpose
-    std::swap(n0, n1);
-    std::swap(s0, s1);
-  }
-  if (n0 == 1 || s0 == 0) n0 = 1;  // one row (or every row the same)
-  if (n1 == 1 || s1 == 1) return {data, n0, n1, n0 > 1 ? s0 : n1, dt};
-  if (n0 == 1 && s1 > 0) return {data, n1, 1, s1, dt};  // a strided run: one element per row
-  const int64_t extent = (n0 - 1) * s0 + (n1 - 1) * s1 + 1;  // strides are never negative in torch
-  return {data, 1, extent, extent, dt};
+  x = a, y = b;
+  std::swap(y.rows, y.cols);
+  std::swap(y.row_stride, y.col_stride);
+  if (match(x.rows, x.row_stride, y.rows, y.row_stride) && match(x.cols, x.col_stride, y.cols, y.col_stride))
+    a = x, b = y;
 }
 
 // The destination of an in-place op: no two of its elements may be one memory location (an
@@ -300,7 +316,9 @@ void check_writable(const char* op, const Info& input) {
 }
 
 void check_no_overlap(const char* op, const Info& input, const Info& other, const char* other_name) {
-  if (sa::views_may_overlap(overlap_view(input), overlap_view(other)))
+  sa::StridedView a = overlap_view(input), b = overlap_view(other);
+  align_strides(a, b);
+  if (sa::views_may_overlap(a, b))
     fail(Kind::value, op, other_name, " memory overlaps input (in-place aliasing is not supported)");
 }
 
@@ -350,11 +368,12 @@ struct Operand {
   Operand(const Tensor& x, const Info& i, bool usable) : Operand(x, i, usable, i.dtype) {}
 };
 
-sa::Matrix matrix_of(const Operand& m) {
-  const Info& i = m.info;
+// A 2-D tensor with unit column stride as the core's view of its rows.
+sa::Matrix matrix_of(const Info& i) {
   const int64_t stride = i.size[0] > 1 ? i.stride[0] : i.size[1];
-  return {m.t.data_ptr(), i.size[0], i.size[1], stride, core_dtype(i.dtype)};
+  return {i.data(), i.size[0], i.size[1], stride, core_dtype(i.dtype)};
 }
+sa::Matrix matrix_of(const Operand& m) { return matrix_of(m.info); }
 
 sa::IndexVector index_of(const Operand& m) {
   return {m.t.data_ptr(), m.info.size[0],
@@ -389,13 +408,21 @@ void call_core(const char* op, F&& f) {
 //   static void gather(Matrix dst, ConstMatrix x, IndexVector, WeightVector, optional<int64_t>,
 //                      const Info& input)
 
+// None given for a Tensor argument reaches a kernel as an undefined tensor: refused before any shim
+// call reads it.
+const Tensor& defined(const char* op, const char* name, const Tensor& t) {
+  if (!t.defined()) fail(Kind::type, op, name, " must be a tensor, got None");
+  return t;
+}
+
 struct Args {
   Info in, ix;
   std::optional<Info> sr, wi;
-  Args(const Tensor& input, const Tensor& index, const Tensor* src, const std::optional<Tensor>& weight)
-      : in(input), ix(index) {
-    if (src != nullptr) sr.emplace(*src);
-    if (weight) wi.emplace(*weight);
+  Args(const char* op, const Tensor& input, const Tensor& index, const Tensor* src,
+       const std::optional<Tensor>& weight)
+      : in(defined(op, "input", input)), ix(defined(op, "index", index)) {
+    if (src != nullptr) sr.emplace(defined(op, "src", *src));
+    if (weight) wi.emplace(defined(op, "weight", *weight));
   }
 };
 
@@ -405,12 +432,17 @@ template <class B>
 void add_checked(const char* op, const Tensor& out, const Info& oi, const Tensor& index, const Args& a,
                  const Tensor& src, const std::optional<Tensor>& weight,
                  std::optional<int64_t> ignore_index) {
-  const Operand s(src, *a.sr, unit_columns(*a.sr));
+  const bool direct = unit_columns(oi);
+  const Operand o(out, oi, direct);
+  // src is read in place when its rows suit the core, and when the core's own overlap test, which
+  // compares rows, finds them apart from out's: its elements were found apart from input's above,
+  // so a copy settles only what that test cannot (as with views of other row strides).
+  bool src_direct = unit_columns(*a.sr);
+  if (src_direct && direct) src_direct = !sa::views_may_overlap(matrix_of(o), matrix_of(*a.sr));
+  const Operand s(src, *a.sr, src_direct);
   const Operand i(index, a.ix, dense_1d(a.ix));
   std::optional<Operand> w;
   if (weight) w.emplace(*weight, *a.wi, dense_1d(*a.wi), B::weight_dtype(a.wi->dtype, oi.dtype));
-  const bool direct = unit_columns(oi);
-  const Operand o(out, oi, direct);
   call_core(op, [&] { B::add(matrix_of(o), index_of(i), matrix_of(s), weight_of(w), ignore_index, oi); });
   if (!direct) copy_into(out, o.t);
 }
@@ -419,7 +451,7 @@ template <class B>
 void scatter_add_op(const Tensor& input, const Tensor& index, const Tensor& src,
                     const std::optional<Tensor> weight, std::optional<int64_t> ignore_index) {
   const char* op = "scatter_add";
-  const Args a(input, index, &src, weight);
+  const Args a(op, input, index, &src, weight);
   check_args(op, a.in, a.ix, &*a.sr, a.wi ? &*a.wi : nullptr);
   check_writable(op, a.in);
   check_no_overlap(op, a.in, *a.sr, "src");
@@ -433,7 +465,7 @@ template <class B>
 Tensor index_add_op(const Tensor& input, const Tensor& index, const Tensor& src,
                     const std::optional<Tensor> weight, std::optional<int64_t> ignore_index) {
   const char* op = "index_add";
-  const Args a(input, index, &src, weight);
+  const Args a(op, input, index, &src, weight);
   check_args(op, a.in, a.ix, &*a.sr, a.wi ? &*a.wi : nullptr);
   Tensor out = dense_copy(input, a.in, a.in.dtype);
   const Info oi(out);
@@ -445,7 +477,7 @@ template <class B>
 Tensor gather_op(const Tensor& input, const Tensor& index, const std::optional<Tensor> weight,
                  std::optional<int64_t> ignore_index) {
   const char* op = "gather";
-  const Args a(input, index, nullptr, weight);
+  const Args a(op, input, index, nullptr, weight);
   check_args(op, a.in, a.ix, nullptr, a.wi ? &*a.wi : nullptr);
   const Operand x(input, a.in, unit_columns(a.in));
   const Operand i(index, a.ix, dense_1d(a.ix));

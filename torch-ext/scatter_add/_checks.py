@@ -1,9 +1,9 @@
 """Argument checks and error types shared by the fake (meta) kernels and the Python API.
 
 The compiled kernels report every error as a RuntimeError whose message reads
-`<Kind>: <op>: <what>`, with <Kind> one of IndexError, ValueError or TypeError. `check_args` does
-the shape, dtype and device checks of the compiled kernels, in the same order and with the same
-messages, on real, meta or fake tensors (sizes may be symbolic: nothing here reads a concrete size
+`<Kind>: <op>: <what>`, with <Kind> one of IndexError, ValueError or TypeError. `check_tensors` and
+`check_args` do the argument, shape, dtype and device checks of the compiled kernels, in the same
+order and with the same messages, on real, meta or fake tensors (sizes may be symbolic: nothing here reads a concrete size
 unless a check fails). `typed_error` turns such a message into the exception it names, which is
 what the public functions raise.
 """
@@ -74,6 +74,14 @@ def check_args(op: str, input: torch.Tensor, index: torch.Tensor, src: Optional[
                lambda: f"weight must be {FLOAT_NAMES}, got {dtype_name(weight.dtype)}")
         _check(V, op, weight.device == input.device,
                lambda: f"weight is on {weight.device} but input is on {input.device}")
+
+
+def check_tensors(op: str, input, index, src=None, has_src: bool = False) -> None:
+    """The compiled kernels' first check: None given for a tensor argument (weight may be None) is
+    refused as `TypeError: <op>: <name> must be a tensor, got None`, before anything reads it."""
+    for name, t in (("input", input), ("index", index)) + ((("src", src),) if has_src else ()):
+        if t is None:
+            raise RuntimeError(f"TypeError: {op}: {name} must be a tensor, got None")
 
 
 def _type_name(x) -> str:

@@ -1,24 +1,27 @@
 """Fake (meta) implementations of the three ops, for FakeTensor, meta tensors, torch.compile and
-torch.export: the compiled kernels' shape, dtype and device checks (same messages, same
+torch.export: the compiled kernels' argument, shape, dtype and device checks (same messages, same
 exception), and the output's shape, dtype and device. Sizes may be symbolic, so one compiled graph
 serves every K and N. The checks that need data (index values, memory overlap) run in the real
 kernels only."""
 import torch
 
-from ._checks import check_args
+from ._checks import check_args, check_tensors
 from ._ops import add_op_namespace_prefix
 
 
 def scatter_add_fake(input, index, src, weight=None, ignore_index=None):
+    check_tensors("scatter_add", input, index, src, has_src=True)
     check_args("scatter_add", input, index, src, weight)
 
 
 def index_add_fake(input, index, src, weight=None, ignore_index=None):
+    check_tensors("index_add", input, index, src, has_src=True)
     check_args("index_add", input, index, src, weight)
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
 def gather_fake(input, index, weight=None, ignore_index=None):
+    check_tensors("gather", input, index)
     check_args("gather", input, index, None, weight)
     return input.new_empty((index.shape[0], input.shape[1]))
 
