@@ -1,5 +1,7 @@
 """torch.func over index_add and gather: grad, vjp, jacrev, jacfwd / jvp, vmap, hessian and
 per-sample gradients, each against the same function written with torch's own ops (float64)."""
+import re
+
 import pytest
 import torch
 from torch import func
@@ -181,3 +183,84 @@ def test_gradgradcheck_and_forward_mode_gradcheck(sa, data):
     assert torch.autograd.gradcheck(f, args, check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False)
     assert torch.autograd.gradcheck(g, (args[0], args[2]), check_forward_ad=True, check_backward_ad=False,
                                     check_undefined_grad=False)
+
+
+def scatter_add_ref(x, index, src, w, ignore=IGN):
+    return x.copy_(index_add_ref(x, index, src, w, ignore))
+
+
+def test_scatter_add_forward_mode(sa, data):
+    """Forward mode through the in-place update: the tangents of src and weight (and of input)
+    reach the result, through the function, the module and dual tensors."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, index, src, w = data
+    g = torch.Generator().manual_seed(13)
+    tx, ts, tw = (torch.randn(t.shape, dtype=t.dtype, generator=g) for t in (x, src, w))
+    layer = sa.layers.ScatterAdd(ignore_index=IGN)
+    for f in (lambda x, s, w: sa.scatter_add(x.clone(), index, s, weight=w, ignore_index=IGN),
+              lambda x, s, w: layer(x.clone(), index, s, weight=w)):
+        ref = lambda x, s, w: scatter_add_ref(x.clone(), index, s, w)  # noqa: E731
+        close(func.jvp(f, (x, src, w), (tx, ts, tw)), func.jvp(ref, (x, src, w), (tx, ts, tw)))
+        close(func.jvp(lambda s: f(x, s, w), (src,), (ts,)), func.jvp(lambda s: ref(x, s, w), (src,), (ts,)))
+        close(func.jvp(lambda w: f(x, src, w), (w,), (tw,)), func.jvp(lambda w: ref(x, src, w), (w,), (tw,)))
+        close(func.jacfwd(f, argnums=(0, 1, 2))(x, src, w), func.jacrev(ref, argnums=(0, 1, 2))(x, src, w))
+    with fwAD.dual_level():
+        out = torch.zeros_like(x)
+        sa.scatter_add(out, index, fwAD.make_dual(src, ts), weight=fwAD.make_dual(w, tw), ignore_index=IGN)
+        tangent = fwAD.unpack_dual(out).tangent
+    assert tangent is not None
+    close(tangent, index_add_ref(torch.zeros_like(x), index, ts, w) + index_add_ref(torch.zeros_like(x), index, src, tw))
+    args = (x.clone().requires_grad_(), src.clone().requires_grad_(), w.clone().requires_grad_())
+    f = lambda x, s, w: sa.scatter_add(x * 1, index, s, weight=w, ignore_index=IGN)  # noqa: E731
+    assert torch.autograd.gradcheck(f, args, check_forward_ad=True)
+
+
+def test_vmap_over_an_empty_batch(sa, data):
+    """A batch of size 0 gives an empty result of the right shape, as torch's own vmap does; its
+    arguments are still checked."""
+    x, index, src, w = data
+    assert func.vmap(lambda x: x.index_add(0, index.clamp(min=0), src))(torch.zeros(0, 6, 5, dtype=torch.float64)).shape == (0, 6, 5)
+    xs, ss = torch.zeros(0, 6, 5, dtype=torch.float64), torch.zeros(0, 7, 5, dtype=torch.float64)
+    idx, ws = torch.zeros(0, 7, dtype=torch.long), torch.zeros(0, 7, dtype=torch.float64)
+    cases = [((0, None, None, None), (xs, index, src, w)), ((None, None, 0, None), (x, index, ss, w)),
+             ((0, None, 0, None), (xs, index, ss, w)), ((None, 0, None, None), (x, idx, src, w)),
+             ((None, None, None, 0), (x, index, src, ws)), ((0, 0, 0, 0), (xs, idx, ss, ws))]
+    for dims, args in cases:
+        got = func.vmap(lambda x, i, s, w: sa.index_add(x, i, s, weight=w, ignore_index=IGN), in_dims=dims)(*args)
+        assert (got.shape, got.dtype) == ((0, 6, 5), torch.float64), (dims, got.shape)
+        gdims, gargs = (dims[0], dims[1], dims[3]), (args[0], args[1], args[3])
+        if gdims == (None, None, None):
+            continue  # gather has no src
+        got = func.vmap(lambda x, i, w: sa.gather(x, i, weight=w, ignore_index=IGN), in_dims=gdims)(*gargs)
+        assert (got.shape, got.dtype) == ((0, 7, 5), torch.float64), (gdims, got.shape)
+    with pytest.raises(ValueError, match="^index_add: src has 7 rows but index has 3 entries$"):
+        func.vmap(lambda x, i: sa.index_add(x, i, src), in_dims=(None, 0))(x, torch.zeros(0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=re.escape("gather: weight must be 1-D with 7 entries (one per index), got shape [3]")):
+        func.vmap(lambda x, w: sa.gather(x, index, weight=w), in_dims=(None, 0))(x, torch.zeros(0, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("batched", ["input", "input and src", "input and index", "input and weight", "strided input"])
+def test_vmap_over_the_in_place_update(sa, data, batched):
+    """vmap over scatter_add updates each sample of a batched input in place, as torch's vmap over
+    index_add_ does."""
+    x, index, src, w = data
+    b = 3
+    g = torch.Generator().manual_seed(14)
+    xs = torch.randn(b, 6, 5, dtype=torch.float64, generator=g)
+    if batched == "strided input":  # the batch cannot be folded into the columns as a view
+        xs = torch.randn(6, 5, b, dtype=torch.float64, generator=g).permute(2, 0, 1)
+    ss = torch.randn(b, 7, 5, dtype=torch.float64, generator=g) if batched == "input and src" else src
+    idx = torch.randint(-1, 6, (b, 7), generator=g) if batched == "input and index" else index
+    ws = torch.rand(b, 7, dtype=torch.float64, generator=g) if batched == "input and weight" else w
+    dims = tuple(0 if t.dim() == d + 1 else None for t, d in ((xs, 2), (idx, 1), (ss, 2), (ws, 1)))
+    want = xs.clone()
+    func.vmap(scatter_add_ref, in_dims=dims)(want, idx, ss, ws)
+    got = xs.clone() if batched != "strided input" else xs.permute(1, 2, 0).clone().permute(2, 0, 1)
+    out = func.vmap(lambda x, i, s, w: sa.scatter_add(x, i, s, weight=w, ignore_index=IGN), in_dims=dims)(got, idx, ss, ws)
+    close(got, want)
+    close(out, want)
+    empty = torch.zeros(0, 6, 5, dtype=torch.float64)
+    func.vmap(lambda x: sa.scatter_add(x, index, src, weight=w, ignore_index=IGN))(empty)
+    with pytest.raises(ValueError, match="input must be batched"):
+        func.vmap(lambda s: sa.scatter_add(x.clone(), index, s), in_dims=0)(torch.zeros(b, 7, 5, dtype=torch.float64))

@@ -142,3 +142,52 @@ def test_compiled_in_place_update_matches_eager(sa):
         v = x._version
         _compiled(sa)(x, i, s)
         assert torch.equal(x, ref) and x._version > v
+
+
+def test_direct_op_refuses_a_leaf_requiring_grad(sa):
+    """torch.ops.scatter_add_ refuses a leaf that requires grad (or a view of one) as torch's own
+    in-place ops do, before anything is written; under no_grad it updates it."""
+    x = torch.zeros(4, 3, requires_grad=True)
+    for target in (x, x[1:], x[:, :2]):
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place"):
+            sa.ops.scatter_add_(target, torch.tensor([0]), torch.ones(1, target.shape[1]))
+        assert torch.equal(x.detach(), torch.zeros(4, 3))
+    with torch.no_grad():
+        sa.ops.scatter_add_(x, torch.tensor([0]), torch.ones(1, 3))
+    assert x.detach()[0].tolist() == [1, 1, 1]
+
+
+def test_direct_op_on_a_non_leaf_records_the_gradients(sa):
+    """torch.ops.scatter_add_ on a tensor that autograd records: the gradients of input, src and
+    weight are those of torch's index_add_, none dropped."""
+    index = torch.tensor([0, 3, 0, 2])
+    results = []
+    for fn in ("ours", "torch"):
+        base = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        src = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        w = torch.rand(4, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        x = base * 2
+        if fn == "ours":
+            sa.ops.scatter_add_(x, index, src, w)
+        else:
+            x.index_add_(0, index, src * w[:, None])
+        assert x.grad_fn is not None
+        (x * torch.arange(12.0, dtype=torch.float64).view(4, 3)).sum().backward()
+        results.append((x.detach(), base.grad, src.grad, w.grad))
+    for a, b in zip(*results):
+        assert b is not None and a is not None
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_inference_tensor_with_src_requiring_grad_is_untouched(sa):
+    """An inference tensor given a src or weight that requires grad: refused as before, and the
+    input is untouched."""
+    with torch.inference_mode():
+        x = torch.zeros(4, 3)
+    for kw in ({"src": torch.ones(1, 3, requires_grad=True)},
+               {"src": torch.ones(1, 3), "weight": torch.ones(1, requires_grad=True)}):
+        for fn in (lambda: sa.scatter_add(x, torch.tensor([0]), kw["src"], weight=kw.get("weight")),
+                   lambda: sa.ops.scatter_add_(x, torch.tensor([0]), kw["src"], kw.get("weight"))):
+            with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+                fn()
+            assert torch.equal(x, torch.zeros(4, 3))

@@ -69,23 +69,26 @@ def scatter_add(
     compatibility with the Neuron hub kernel and has no effect here.
 
     Like torch's own in-place ops, this bumps input's version counter (autograd then refuses a
-    saved tensor modified afterwards) and refuses an inference tensor outside inference_mode.
-    With autograd recording (input, src or weight requires grad), the update is differentiable.
+    saved tensor modified afterwards), refuses an inference tensor outside inference_mode and a
+    leaf that requires grad. The update is differentiable with respect to input, src and weight,
+    in reverse and forward mode (torch.autograd, torch.func), and works under vmap when input is
+    batched.
     """
     if lnc is not None:
         lnc_arg("scatter_add", lnc)
     if ignore_index is not None:
         ignore_index = ignore_index_arg("scatter_add", ignore_index)
     try:
-        if _grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad)):
-            # Differentiable in-place update: computed out of place, then copy_ (tracked by autograd).
-            return input.copy_(_index_add(input, index, src, weight, ignore_index))
-        if _compiling() or input.is_inference():
-            # Through the op's ADInplaceOrView kernel (inference-tensor check, version bump).
+        if (_grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
+                or forward_ad_active() or _compiling() or input.is_inference()):
+            # Through the dispatcher: the op's Autograd kernel records a differentiable update (and
+            # refuses a leaf that requires grad), its ADInplaceOrView kernel refuses an inference
+            # tensor and bumps the version counter, and the kernel checks everything before it
+            # writes, whichever of these paths a call takes.
             _scatter_add_(input, index, src, weight, ignore_index)
         else:
-            # That kernel inlined: nothing to check for a normal tensor, and the version bump
-            # here costs a fraction of a Python kernel's dispatch.
+            # Those kernels inlined: nothing to record or check for a normal tensor, and the
+            # version bump here costs a fraction of a Python kernel's dispatch.
             with _BelowADInplaceOrView():
                 _scatter_add_eager(input, index, src, weight, ignore_index)
             _increment_version((input,))

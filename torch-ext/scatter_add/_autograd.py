@@ -7,14 +7,19 @@
 - index_add and gather: Autograd kernels over autograd.Function classes with setup_context,
   backward and jvp, applied at the op's own dispatch level, so torch.autograd (reverse and forward
   mode, higher orders) and torch.func (grad, vjp, jvp, jacrev, jacfwd, hessian, nested) all work.
-- vmap rules for index_add and gather: a batch of input / src rows is folded into the columns,
-  one kernel call for the whole batch, with the same bits per sample; a batched index or weight
-  loops over the batch.
+- scatter_add_: an Autograd kernel of the same kind that records the in-place update (the kernel
+  itself writes input, marked dirty, so every check of the in-place op runs before the write) and
+  refuses a leaf that requires grad before anything is written, as torch's in-place ops do.
+- vmap rules for the three ops: a batch of input / src rows is folded into the columns, one
+  kernel call for the whole batch, with the same bits per sample; a batched index or weight (or,
+  in place, an input whose batch cannot be folded as a view) loops over the batch. An empty batch
+  gives an empty result, its shapes checked on meta tensors.
 """
 import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch._functorch.utils import enable_single_level_autograd_function as _single_level_function
 
+from ._checks import check_tensors
 from ._ops import ops
 
 _scatter_add_ = ops.scatter_add_.default
@@ -41,8 +46,19 @@ def check_not_inference(op: str, input: torch.Tensor) -> None:
             "under torch.inference_mode(); clone it to get a normal tensor, or call this inside inference_mode")
 
 
+def check_not_leaf(input: torch.Tensor) -> None:
+    """torch's own refusal of an in-place update of a leaf that requires grad (or of a view of one)
+    while grad mode is on, made before anything is written."""
+    if input._is_view():
+        base = input._base
+        if base.requires_grad and base.is_leaf:
+            raise RuntimeError("a view of a leaf Variable that requires grad is being used in an in-place operation.")
+    elif input.is_leaf:
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+
+
 def _scatter_add_inplace_or_view(keyset, input, index, src, weight=None, ignore_index=None):
-    if input.is_inference():
+    if input is not None and input.is_inference():
         check_not_inference("scatter_add", input)
     _scatter_add_.redispatch(keyset & _AFTER_ADINPLACEORVIEW, input, index, src, weight, ignore_index)
     _increment_version((input,))
@@ -151,11 +167,62 @@ class _GatherRule:
         return t if t is not None else input.new_zeros((index.shape[0], input.shape[1]))
 
 
+class _ScatterAddRule:
+    """input[index[i]] += weight[i] * src[i] in place: forward (the in-place kernel, below this
+    level's autograd: it checks everything, overlap included, before it writes), backward and jvp.
+    The backward needs no value of input, so nothing is copied."""
+
+    @staticmethod
+    def forward(input, index, src, weight, ignore_index):
+        _below_autograd(_scatter_add_, input, index, src, weight, ignore_index)
+        return input
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, index, src, weight, ignore_index = inputs
+        ctx.mark_dirty(input)
+        ctx.set_materialize_grads(False)  # an input without tangent gets None, not zeros, in jvp
+        ctx.ignore_index = ignore_index
+        ctx.has_weight = weight is not None
+        ctx.input_shape = input.shape
+        ctx.save_for_backward(index, src, weight)
+        ctx.save_for_forward(index, src, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None, None
+        return _IndexAddRule.backward(ctx, grad)
+
+    @staticmethod
+    def jvp(ctx, t_input, t_index, t_src, t_weight, t_ignore):
+        # The same tangent as index_add's, written into input's own tangent when it has one (an
+        # in-place update updates its tangent in place).
+        index, src, weight = ctx.saved_tensors
+        t = t_input
+        if t_src is not None:
+            t = _index_add(t if t is not None else src.new_zeros(ctx.input_shape), index, t_src, weight,
+                           ctx.ignore_index)
+        if t_weight is not None and ctx.has_weight:
+            t = _index_add(t if t is not None else src.new_zeros(ctx.input_shape), index, src, t_weight,
+                           ctx.ignore_index)
+        if t_input is None:
+            return t
+        if t is t_input:  # nothing added: the update is the identity on it, still made in place
+            _increment_version((t_input,))
+            return t_input
+        return t_input.copy_(t)
+
+
 class IndexAdd(_IndexAddRule, torch.autograd.Function):
     pass
 
 
 class Gather(_GatherRule, torch.autograd.Function):
+    pass
+
+
+class ScatterAddInPlace(_ScatterAddRule, torch.autograd.Function):
     pass
 
 
@@ -172,7 +239,11 @@ class _GatherOneLevel(_GatherRule, torch.autograd.function._SingleLevelFunction)
     pass
 
 
-_ONE_LEVEL = {IndexAdd: _IndexAddOneLevel, Gather: _GatherOneLevel}
+class _ScatterAddInPlaceOneLevel(_ScatterAddRule, torch.autograd.function._SingleLevelFunction):
+    pass
+
+
+_ONE_LEVEL = {IndexAdd: _IndexAddOneLevel, Gather: _GatherOneLevel, ScatterAddInPlace: _ScatterAddInPlaceOneLevel}
 
 
 def _apply(fn, *args):
@@ -192,7 +263,21 @@ def _differentiable(*tensors) -> bool:
     return (torch.is_grad_enabled() and _any_requires_grad(*tensors)) or forward_ad_active()
 
 
+def _scatter_add_autograd(keyset, input, index, src, weight=None, ignore_index=None):
+    if input is None or index is None or src is None:
+        check_tensors("scatter_add", input, index, src, has_src=True)
+    if _differentiable(input, src, weight):
+        if input.requires_grad and torch.is_grad_enabled():
+            check_not_leaf(input)
+        _apply(ScatterAddInPlace, input, index, src, weight, ignore_index)
+        return
+    with _BelowAutograd():
+        _scatter_add_.redispatch(keyset & _AFTER_AUTOGRAD, input, index, src, weight, ignore_index)
+
+
 def _index_add_autograd(keyset, input, index, src, weight=None, ignore_index=None):
+    if input is None or index is None or src is None:
+        check_tensors("index_add", input, index, src, has_src=True)
     if _differentiable(input, src, weight):
         return _apply(IndexAdd, input, index, src, weight, ignore_index)
     with _BelowAutograd():
@@ -200,12 +285,15 @@ def _index_add_autograd(keyset, input, index, src, weight=None, ignore_index=Non
 
 
 def _gather_autograd(keyset, input, index, weight=None, ignore_index=None):
+    if input is None or index is None:
+        check_tensors("gather", input, index)
     if _differentiable(input, weight):
         return _apply(Gather, input, index, weight, ignore_index)
     with _BelowAutograd():
         return _gather.redispatch(keyset & _AFTER_AUTOGRAD, input, index, weight, ignore_index)
 
 
+_lib.impl("scatter_add_", _scatter_add_autograd, "Autograd", with_keyset=True)
 _lib.impl("index_add", _index_add_autograd, "Autograd", with_keyset=True)
 _lib.impl("gather", _gather_autograd, "Autograd", with_keyset=True)
 
@@ -219,8 +307,20 @@ def _rows_by_batch(t, bdim, batch):
     return t.reshape(t.shape[0], batch * t.shape[2])
 
 
+def _cols(t, bdim):
+    """D of one sample of t ([N, D], batched at bdim or not)."""
+    return t.shape[1] if bdim is None else t.movedim(bdim, 0).shape[2]
+
+
 def _select(t, bdim, b):
     return t if t is None or bdim is None else t.select(bdim, b)
+
+
+def _sample_meta(t, bdim):
+    """One sample of t as a meta tensor: the shape, dtype and argument checks of an empty batch."""
+    if t is None or bdim is None:
+        return None if t is None else t.new_empty(t.shape, device="meta")
+    return t.new_empty(t.shape[:bdim] + t.shape[bdim + 1:], device="meta")
 
 
 def _index_add_vmap(info, in_dims, input, index, src, weight=None, ignore_index=None):
@@ -229,7 +329,11 @@ def _index_add_vmap(info, in_dims, input, index, src, weight=None, ignore_index=
     if index_bdim is None and weight_bdim is None:
         rows = _rows_by_batch(input, input_bdim, batch)
         out = _index_add(rows, index, _rows_by_batch(src, src_bdim, batch), weight, ignore_index)
-        return out.view(rows.shape[0], batch, rows.shape[1] // batch), 1
+        return out.view(rows.shape[0], batch, _cols(input, input_bdim)), 1
+    if batch == 0:
+        one = _index_add(*map(_sample_meta, (input, index, src, weight), (input_bdim, index_bdim, src_bdim, weight_bdim)),
+                         ignore_index)
+        return input.new_empty((0,) + tuple(one.shape)), 0
     outs = [_index_add(_select(input, input_bdim, b), _select(index, index_bdim, b), _select(src, src_bdim, b),
                        _select(weight, weight_bdim, b), ignore_index) for b in range(batch)]
     return torch.stack(outs), 0
@@ -241,11 +345,41 @@ def _gather_vmap(info, in_dims, input, index, weight=None, ignore_index=None):
     if index_bdim is None and weight_bdim is None:
         rows = _rows_by_batch(input, input_bdim, batch)
         out = _gather(rows, index, weight, ignore_index)
-        return out.view(index.shape[0], batch, rows.shape[1] // batch), 1
+        return out.view(index.shape[0], batch, _cols(input, input_bdim)), 1
+    if batch == 0:
+        one = _gather(*map(_sample_meta, (input, index, weight), (input_bdim, index_bdim, weight_bdim)), ignore_index)
+        return input.new_empty((0,) + tuple(one.shape)), 0
     outs = [_gather(_select(input, input_bdim, b), _select(index, index_bdim, b), _select(weight, weight_bdim, b),
                     ignore_index) for b in range(batch)]
     return torch.stack(outs), 0
 
 
+def _scatter_add_vmap(info, in_dims, input, index, src, weight=None, ignore_index=None):
+    """In place, as torch's in-place ops under vmap: input must be batched when another argument
+    is (one input cannot hold a result per sample)."""
+    input_bdim, index_bdim, src_bdim, weight_bdim = (tuple(in_dims) + (None,) * 4)[:4]
+    batch = info.batch_size
+    if input_bdim is None:
+        raise RuntimeError("ValueError: scatter_add: under vmap, input must be batched when index, src or weight "
+                           "is (an in-place update cannot hold one result per sample; use index_add)")
+    if index_bdim is None and weight_bdim is None:
+        moved = input.movedim(input_bdim, 1)  # [N, batch, D]
+        try:
+            rows = moved.view(moved.shape[0], batch * moved.shape[2])
+        except RuntimeError:  # the batch cannot be folded into the columns as a view of input
+            rows = None
+        if rows is not None:
+            _scatter_add_(rows, index, _rows_by_batch(src, src_bdim, batch), weight, ignore_index)
+            return None, None
+    if batch == 0:
+        _scatter_add_(*map(_sample_meta, (input, index, src, weight), (input_bdim, index_bdim, src_bdim, weight_bdim)),
+                      ignore_index)
+    for b in range(batch):
+        _scatter_add_(input.select(input_bdim, b), _select(index, index_bdim, b), _select(src, src_bdim, b),
+                      _select(weight, weight_bdim, b), ignore_index)
+    return None, None
+
+
+torch.library.register_vmap(_scatter_add_, _scatter_add_vmap, lib=_lib)
 torch.library.register_vmap(_index_add, _index_add_vmap, lib=_lib)
 torch.library.register_vmap(_gather, _gather_vmap, lib=_lib)
