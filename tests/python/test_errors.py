@@ -64,6 +64,12 @@ ERROR_CASES = [
     ("src-overlaps-input", None, SCATTER, ValueError, "src memory overlaps input"),
     ("index-overlaps-input", shared_storage_case("index"), SCATTER, ValueError, "index memory overlaps input"),
     ("weight-overlaps-input", shared_storage_case("weight"), SCATTER, ValueError, "weight memory overlaps input"),
+    ("input-expanded-rows", base(input=torch.zeros(1, 8).expand(4, 8), src=torch.randn(3, 8), index=torch.tensor([0, 3, 2])),
+     SCATTER, ValueError, "scatter_add: input row stride 0 is smaller than its row length 8 (rows would alias; "
+                          "expanded tensors cannot be written in place)"),
+    ("input-expanded-columns", base(input=torch.zeros(4, 1).expand(4, 8), src=torch.randn(3, 8), index=torch.tensor([0, 3, 2])),
+     SCATTER, ValueError, "scatter_add: input has elements that share memory (shape [4, 8], strides [1, 0]; "
+                          "expanded tensors cannot be written in place)"),
     ("lnc-zero", base(lnc=0), SCATTER, ValueError, "lnc must be a positive int"),
     ("lnc-negative", base(lnc=-2), SCATTER, ValueError, "lnc must be a positive int"),
     ("lnc-float", base(lnc=2.0), SCATTER, TypeError, "lnc must be a positive int"),
@@ -165,10 +171,19 @@ def edge_weight_dtypes(sa):
     return outs[0], torch.tensor([[0.5, 0.5], [0.0, 0.0], [2.25, 2.25]])
 
 
+def edge_interleaved_columns(sa):
+    b = torch.arange(16.0).view(4, 4)
+    expected = b.clone()
+    expected[:, ::2].index_add_(0, torch.arange(4), expected[:, 1::2].clone())
+    sa.scatter_add(b[:, ::2], torch.arange(4), b[:, 1::2])
+    return b, expected
+
+
 EDGE_CASES = [("empty-k", edge_k0), ("empty-d", edge_d0), ("empty-n-and-k", edge_n0_k0),
               ("nan-inf-propagate", edge_nan_inf), ("ignore-index-equal-to-a-valid-row", edge_ignore_valid_row),
               ("gather-ignored-rows-are-zero", edge_gather_ignored_rows_zero),
-              ("numpy-integers-for-ignore-index-and-lnc", edge_numpy_integers), ("weight-dtypes", edge_weight_dtypes)]
+              ("numpy-integers-for-ignore-index-and-lnc", edge_numpy_integers), ("weight-dtypes", edge_weight_dtypes),
+              ("interleaved-columns", edge_interleaved_columns)]
 
 
 @pytest.mark.parametrize("case", EDGE_CASES, ids=[c[0] for c in EDGE_CASES])
@@ -178,6 +193,54 @@ def test_edge_case(sa, case):
     assert torch.equal(ours.isnan(), expected.isnan())
     keep = ~expected.isnan()
     assert torch.equal(ours[keep], expected[keep])
+
+
+# The rows decided by memory (overlap, an input that aliases itself), each also with autograd
+# recording the update: the outcome may not depend on it.
+MEMORY_CASES = [c for c in ERROR_CASES if "overlaps" in c[0] or "expanded" in c[0]]
+
+
+def _with_tracked_input(kw):
+    """The same case over new memory laid out as before, with input a view of a non-leaf that
+    requires grad (the other arguments that shared input's memory share the new one)."""
+    inp = kw["input"]
+    storage = inp.untyped_storage().data_ptr()
+    flat = torch.zeros(inp.untyped_storage().nbytes() // inp.element_size(), dtype=inp.dtype, requires_grad=True) * 1
+
+    def remake(t, tracked):
+        f = flat if tracked else flat.detach().view(t.dtype)
+        return f.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    out = dict(kw)
+    for k in ("index", "src", "weight"):
+        t = kw[k]
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage:
+            out[k] = remake(t, False)
+    out["input"] = remake(inp, True)
+    return out
+
+
+@pytest.mark.parametrize("grad", ["src", "weight", "input"])
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=[c[0] for c in MEMORY_CASES])
+def test_memory_errors_do_not_depend_on_requires_grad(sa, case, grad):
+    name, kw, op, exc, fragment = case
+    kw = kw if kw is not None else src_overlap_case()
+    with pytest.raises(exc, match=re.escape(fragment)) as plain:
+        call(sa, op, kw)
+    kw = dict(kw)
+    if grad == "src":
+        kw["src"] = kw["src"].detach().requires_grad_()
+    elif grad == "weight":
+        w = kw["weight"] if kw["weight"] is not None else torch.ones(kw["index"].shape[0], dtype=kw["input"].dtype)
+        kw["weight"] = w.detach().requires_grad_()
+    else:
+        kw = _with_tracked_input(kw)
+        assert kw["input"].requires_grad and not kw["input"].is_leaf
+    before = bits(kw["input"])
+    with pytest.raises(exc) as tracked:
+        call(sa, op, kw)
+    assert str(tracked.value) == str(plain.value)
+    assert torch.equal(bits(kw["input"]), before), f"{name}: input changed"
 
 
 def test_catalogue_lists_every_case():
