@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from . import _fake  # noqa: F401  (registers the fake kernels)
-from ._autograd import forward_ad_active
+from ._autograd import _forward_ad, forward_ad_active
 from ._checks import check_args, check_types, ignore_index_arg, lnc_arg, typed_error
 from ._ops import ops
 
@@ -80,7 +80,7 @@ def scatter_add(
         ignore_index = ignore_index_arg("scatter_add", ignore_index)
     try:
         if (_grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
-                or forward_ad_active() or _compiling() or input.is_inference()):
+                or _forward_ad._current_level >= 0 or _compiling() or input.is_inference()):
             # Through the dispatcher: the op's Autograd kernel records a differentiable update (and
             # refuses a leaf that requires grad), its ADInplaceOrView kernel refuses an inference
             # tensor and bumps the version counter, and the kernel checks everything before it
