@@ -5,6 +5,8 @@ and its own tokens; rows travel by all_to_all (scatter_add.distributed.ExpertPar
 
 Static capacity needs the same token count on every rank (C is derived from it); dropless does not.
 """
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,5 +69,8 @@ if __name__ == "__main__":
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
     with torch.no_grad():
         diff = (layer(x, "static") - full(x, "native")).abs().max().item()
-    print(f"rank {dist.get_rank()}: expert-parallel vs single-process max diff {diff:.2e}")
+    # One write with its newline: the ranks share stdout, and print's separate writes of the text
+    # and the newline can interleave.
+    sys.stdout.write(f"rank {dist.get_rank()}: expert-parallel vs single-process max diff {diff:.2e}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
