@@ -179,14 +179,9 @@ class _ScatterAddRule:
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        input, index, src, weight, ignore_index = inputs
-        ctx.mark_dirty(input)
+        ctx.mark_dirty(inputs[0])
         ctx.set_materialize_grads(False)  # an input without tangent gets None, not zeros, in jvp
-        ctx.ignore_index = ignore_index
-        ctx.has_weight = weight is not None
-        ctx.input_shape = input.shape
-        ctx.save_for_backward(index, src, weight)
-        ctx.save_for_forward(index, src, weight)
+        _IndexAddRule.setup_context(ctx, inputs, output)
 
     @staticmethod
     def backward(ctx, grad):
