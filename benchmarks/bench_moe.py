@@ -1,7 +1,28 @@
-"""The MoE-layer half of `make bench`: the Mixtral-style block of examples/moe_layer.py compiled
-whole with torch.compile, combine (and dispatch) by scatter-add vs native torch, over a sweep of
-token counts. Reports layer time both ways, the combine step's share, its speedup, the dispatch
-step (our gather vs native indexing) and the max difference between the two outputs."""
+#!/usr/bin/env python3
+"""The MoE-layer half of `make bench`: transformers' own sparse MoE blocks (the models' code, built
+from configs, random weights, bf16) with each experts implementation, side by side.
+
+    blocks:  Mixtral (8 experts, top-2) at hidden 1024 / intermediate 3584 and at Mixtral-8x7B's
+             real sizes, hidden 4096 / intermediate 14336 (token counts that fit in memory and
+             time only); Qwen3-MoE (128 experts, top-8) at hidden 1024 / intermediate 384
+    tokens:  1, 8, 64, 512, 2048, 8192
+    modes:   forward (no grad), forward + backward (gradients of the input and every weight)
+    columns: eager (the model's own loop), grouped_mm (transformers' default), batched_mm (where its
+             per-token copies of the expert weights fit in memory), ours (scatter_add.moe), ours'
+             speedup over the best of them, and each one's max error against a float64 reference
+             (the same routing, experts computed in float64)
+    split:   for ours in forward, the time of dispatch (routing sort + gather), the expert
+             products and combine (index_add), each timed alone on the same inputs
+
+Timings: the implementations run in interleaved rounds (one call of each per round) so that this
+machine's drifting speed hits them alike; each cell is the median of the rounds, and the table
+says how far the fastest and slowest rounds of ours were from it.
+
+    .venv/bin/python benchmarks/bench_moe.py [--quick] [--out DIR]
+"""
+import argparse
+import gc
+import json
 import statistics
 import sys
 import time
@@ -9,84 +30,345 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from moe_layer import MixtralSparseMoE, combine, dispatch  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
+IMPLS = ["eager", "grouped_mm", "batched_mm", "ours"]
+BUILTINS = ["eager", "grouped_mm", "batched_mm"]
+BATCHED_MM_MAX_BYTES = 3 << 30  # batched_mm copies each pair's expert weights: skipped above this
+REF_TOKENS = 256  # the float64 reference covers the first tokens of each input
+GOALS = {"fwd": (1.0, 1.3, 512), "fwd_bwd": (1.2, 1.2, 0)}  # (everywhere, from tokens on, tokens)
+
+# name: (label, config class, config kwargs, forward token counts, forward+backward token counts)
+BLOCKS = {
+    "mixtral": ("Mixtral, hidden 1024, intermediate 3584, 8 experts top-2", "MixtralConfig",
+                dict(hidden_size=1024, intermediate_size=3584, num_local_experts=8, num_experts_per_tok=2),
+                [1, 8, 64, 512, 2048, 8192], [1, 8, 64, 512, 2048, 8192]),
+    "qwen3_moe": ("Qwen3-MoE, hidden 1024, intermediate 384, 128 experts top-8", "Qwen3MoeConfig",
+                  dict(hidden_size=1024, moe_intermediate_size=384, num_experts=128, num_experts_per_tok=8,
+                       norm_topk_prob=True),
+                  [1, 8, 64, 512, 2048, 8192], [1, 8, 64, 512, 2048, 8192]),
+    # 2.8 GB of bf16 expert weights; a forward at 2048 tokens is ~1.4 TFLOP of products, and the
+    # eager loop's backward writes a full-size weight gradient per expert: forward+backward at the
+    # small token counts only.
+    "mixtral_8x7b": ("Mixtral-8x7B sizes, hidden 4096, intermediate 14336, 8 experts top-2", "MixtralConfig",
+                     dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2),
+                     [1, 8, 64, 512, 2048], [8, 64]),
+}
+QUICK = {"mixtral": ([64], [64])}
 
 
-def _median_times(fns, budget=1.5, min_reps=5, max_reps=25):
-    """Median seconds of each fn, timed in interleaved rounds (one call of each per round) so that
-    this machine's drifting speed hits every variant alike."""
-    for f in fns.values():
-        f()
-    ts = {k: [] for k in fns}
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < min_reps or (time.perf_counter() - start < budget and rounds < max_reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[k].append(time.perf_counter() - t0)
-        rounds += 1
-    return {k: statistics.median(v) for k, v in ts.items()}
+def build_block(name, sa):
+    import transformers
+
+    _, cls_name, kw, _, _ = BLOCKS[name]
+    cfg = getattr(transformers, cls_name)(**kw)
+    cfg._experts_implementation = "eager"
+    if cls_name == "MixtralConfig":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: 8x7B's weights are 2.8 GB
+    try:
+        with torch.device("meta"):
+            block = Block(cfg)
+        block = block.to_empty(device="cpu")
+    finally:
+        torch.set_default_dtype(default)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():  # transformers' initializer_range
+            p.copy_(torch.empty(p.shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=g))
+    return block, cfg
+
+
+def set_impl(cfg, impl, name):
+    cfg._experts_implementation = name if impl == "ours" else impl
+
+
+def batched_mm_bytes(block, tokens, backward):
+    ex = block.experts
+    per_pair = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
+    pairs = tokens * block_top_k(block)
+    return per_pair * pairs * (3 if backward else 1)
+
+
+def block_top_k(block):
+    return block.gate.top_k
+
+
+def reference(block, x2d):
+    """The block's output in float64 for the rows x2d: the block's own bf16 routing (so that near
+    ties pick the same experts), every expert product and the combine in float64."""
+    ex = block.experts
+    seen = []
+    hook = ex.register_forward_pre_hook(lambda mod, args: seen.append(args))
+    with torch.no_grad():
+        block(x2d[None])
+    hook.remove()
+    h, idx, w = seen[0]
+    h64, w64 = h.double(), w.double()
+    out = torch.zeros(h.shape, dtype=torch.float64)
+    act = ex.act_fn
+    for e in idx.unique().tolist():
+        tok, pos = (idx == e).nonzero(as_tuple=True)
+        gu = h64[tok] @ ex.gate_up_proj[e].double().t()
+        gate, up = gu.chunk(2, dim=-1)
+        y = (act(gate) * up) @ ex.down_proj[e].double().t()
+        out.index_add_(0, tok, y * w64[tok, pos, None])
+    return out
+
+
+class Timer:
+    """Interleaved rounds: one call of each function per round, until min_rounds are done and the
+    budget is spent (or max_rounds). A call slower than `slow` s caps the rounds at min_rounds."""
+
+    def __init__(self, budget=2.0, min_rounds=3, max_rounds=15, slow=1.0):
+        self.budget, self.min_rounds, self.max_rounds, self.slow = budget, min_rounds, max_rounds, slow
+
+    def __call__(self, fns):
+        for f in fns.values():
+            f()  # warm-up
+        ts = {k: [] for k in fns}
+        start = time.perf_counter()
+        rounds = 0
+        while rounds < self.min_rounds or (time.perf_counter() - start < self.budget and rounds < self.max_rounds):
+            for k, f in fns.items():
+                t0 = time.perf_counter()
+                f()
+                ts[k].append(time.perf_counter() - t0)
+            rounds += 1
+            if rounds >= self.min_rounds and max(max(v) for v in ts.values()) > self.slow:
+                break
+        return ts
+
+
+def summarize(times):
+    med = statistics.median(times)
+    return {"ms": med * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3, "rounds": len(times)}
 
 
 class MoEBench:
-    def __init__(self, sa, mixtral=False, quick=False):
+    def __init__(self, sa, quick=False, blocks=None):
         self.sa = sa
-        self.hidden, self.inter = (4096, 14336) if mixtral else (1024, 3584)
-        self.tokens = [128] if quick else ([256, 1024] if mixtral else [128, 512, 2048])
-        self.moe = MixtralSparseMoE(self.hidden, self.inter)
+        self.quick = quick
+        self.name = sa.moe.register()
+        self.blocks = list(QUICK) if quick else (blocks or list(BLOCKS))
+        self.timer = Timer(budget=0.5, min_rounds=2, max_rounds=3) if quick else Timer()
+
+    def plan(self):
+        out = []
+        for b in self.blocks:
+            fwd, fb = QUICK[b] if self.quick else BLOCKS[b][3:]
+            out += [(b, "fwd", t) for t in fwd] + [(b, "fwd_bwd", t) for t in fb]
+        return out
 
     def run(self, progress_cls):
-        sa, moe = self.sa, self.moe
-        torch._dynamo.reset()
-        # Layer variants: "native" (indexing + index_add_), "ours" (native indexing dispatch, our
-        # combine: isolates the combine step) and "ours_both" (our gather and our combine).
-        variants = {"native": ("native", "native"), "ours": ("ours", "native"), "ours_both": ("ours", "ours")}
-        layer = {name: torch.compile(lambda x, c=c, d=d: moe(x, c, sa, dispatch_impl=d), fullgraph=True)
-                 for name, (c, d) in variants.items()}
-        comb = {impl: torch.compile(lambda h, st, sw, t, impl=impl: combine(h, st, sw, t, impl, sa), fullgraph=True)
-                for impl in ("ours", "native")}
-        disp = {impl: torch.compile(lambda x, st, impl=impl: dispatch(x, st, impl, sa), fullgraph=True)
-                for impl in ("ours", "native")}
-        prog = progress_cls(len(self.tokens), "moe layer")
         rows = []
-        with torch.no_grad():
-            for t in self.tokens:
-                x = torch.randn(t, self.hidden, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-                out = {impl: layer[impl](x) for impl in layer}
-                lt = _median_times({impl: (lambda impl=impl: layer[impl](x)) for impl in layer})
-                st, sw = moe.plan(x)
-                h = moe.experts(dispatch(x, st, "native"))
-                ct = _median_times({impl: (lambda impl=impl: comb[impl](h, st, sw, t)) for impl in comb}, budget=0.5)
-                dt = _median_times({impl: (lambda impl=impl: disp[impl](x, st)) for impl in disp}, budget=0.5)
-                diff = (out["ours"].float() - out["native"].float()).abs().max().item()
-                rows.append({
-                    "tokens": t, "hidden": self.hidden, "intermediate": self.inter, "experts": moe.num_experts,
-                    "top_k": moe.top_k, "capacity_factor": moe.capacity_factor, "capacity": moe.capacity(t),
-                    "dtype": "bfloat16",
-                    "layer_ms": {k: v * 1e3 for k, v in lt.items()}, "layer_speedup": lt["native"] / lt["ours"],
-                    "combine_ms": {k: v * 1e3 for k, v in ct.items()}, "combine_speedup": ct["native"] / ct["ours"],
-                    "combine_share": {k: ct[k] / lt[k] for k in ct},
-                    "dispatch_ms": {k: v * 1e3 for k, v in dt.items()}, "dispatch_speedup": dt["native"] / dt["ours"],
-                    "layer_speedup_both": lt["native"] / lt["ours_both"],
-                    "max_abs_diff": diff, "max_abs_out": out["native"].float().abs().max().item(),
-                })
-                prog.step(f"tokens={t}")
+        todo = self.plan()
+        prog = progress_cls(len(todo), "moe layer")
+        for bname in self.blocks:
+            block, cfg = build_block(bname, self.sa)
+            hidden = block.experts.gate_up_proj.shape[2]
+            cases = [(m, t) for b, m, t in todo if b == bname]
+            x_all = torch.randn(max(t for _, t in cases), hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+            for mode, tokens in cases:
+                rows.append(self._row(bname, block, cfg, x_all[:tokens], mode))
+                prog.step(f"{bname} {mode} tokens={tokens}")
+                gc.collect()
+            del block
+            gc.collect()
         return rows
 
+    def _row(self, bname, block, cfg, x2d, mode):
+        tokens = x2d.shape[0]
+        backward = mode == "fwd_bwd"
+        impls = [i for i in IMPLS if i != "batched_mm" or batched_mm_bytes(block, tokens, backward) <= BATCHED_MM_MAX_BYTES]
+        x = x2d[None]
+        probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+        params = list(block.parameters())
+
+        def call(impl):
+            def fwd():
+                set_impl(cfg, impl, self.name)
+                with torch.no_grad():
+                    return block(x)
+
+            def fwd_bwd():
+                set_impl(cfg, impl, self.name)
+                for p in params:
+                    p.grad = None
+                xg = x.detach().requires_grad_(True)
+                block(xg).backward(probe)
+                return xg.grad
+            return fwd_bwd if backward else fwd
+
+        # accuracy of the forward output against float64, on the first REF_TOKENS rows
+        n_ref = min(tokens, REF_TOKENS)
+        ref = reference(block, x2d[:n_ref])
+        errors = {}
+        for impl in impls:
+            set_impl(cfg, impl, self.name)
+            with torch.no_grad():
+                out = block(x2d[:n_ref][None])[0]
+            errors[impl] = float((out.double() - ref).abs().max())
+        ts = self.timer({impl: call(impl) for impl in impls})
+        row = {"block": bname, "label": BLOCKS[bname][0], "mode": mode, "tokens": tokens,
+               "experts": block.experts.num_experts, "top_k": block_top_k(block), "dtype": "bfloat16",
+               "threads": torch.get_num_threads(), "error_tokens": n_ref,
+               "impls": {i: dict(summarize(ts[i]), max_err=errors[i]) for i in impls},
+               "skipped": {i: "per-pair weight copies over 3 GiB" for i in IMPLS if i not in impls}}
+        best = min((i for i in impls if i in BUILTINS), key=lambda i: row["impls"][i]["ms"])
+        row["best_builtin"] = best
+        row["speedup"] = row["impls"][best]["ms"] / row["impls"]["ours"]["ms"]
+        row["speedup_vs"] = {i: row["impls"][i]["ms"] / row["impls"]["ours"]["ms"] for i in impls if i != "ours"}
+        if not backward:
+            row["split_ms"] = self._split(block, cfg, x2d)
+        set_impl(cfg, "eager", self.name)
+        return row
+
+    def _split(self, block, cfg, x2d):
+        """Ours' forward in three parts, each timed alone on the block's own routing."""
+        moe, sa = self.sa.moe, self.sa
+        ex = block.experts
+        seen = []
+        hook = ex.register_forward_pre_hook(lambda mod, args: seen.append(args))
+        with torch.no_grad():
+            block(x2d[None])
+        hook.remove()
+        h, idx, w = seen[0]
+        e = ex.gate_up_proj.shape[0]
+        with torch.no_grad():
+            token, order, offsets = moe._route(idx, e)
+            xs = sa.gather(h, token, ignore_index=-1)
+            ys, _ = moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
+            pw = w.reshape(-1)[order]
+
+            def dispatch():
+                tk, od, _ = moe._route(idx, e)
+                return sa.gather(h, tk, ignore_index=-1)
+
+            def experts():
+                return moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
+
+            def combine():
+                return sa.index_add(h.new_zeros(h.shape), token, ys, weight=pw, ignore_index=-1)
+
+            ts = Timer(budget=0.5, min_rounds=3, max_rounds=10)({"dispatch": dispatch, "experts": experts, "combine": combine})
+        return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+
     def print_table(self, rows):
-        r0 = rows[0]
-        print(f"\nMoE layer (Mixtral-style: hidden {r0['hidden']}, intermediate {r0['intermediate']}, "
-              f"{r0['experts']} experts, top-{r0['top_k']}, capacity factor {r0['capacity_factor']}, bf16, "
-              f"torch.compile fullgraph), combine by ours vs native index_add_")
-        print("layer ours = native dispatch + our combine; ours_both = our gather + our combine")
-        print(f"{'tokens':>6} {'cap':>5} {'layer ours':>11} {'layer nat':>10} {'speedup':>8} {'ours_both':>10} {'comb ours':>10} "
-              f"{'comb nat':>9} {'comb x':>7} {'share ours':>10} {'share nat':>9} {'disp ours':>10} "
-              f"{'disp nat':>9} {'max diff':>9}")
-        for r in rows:
-            print(f"{r['tokens']:>6} {r['capacity']:>5} {r['layer_ms']['ours']:9.2f}ms {r['layer_ms']['native']:8.2f}ms "
-                  f"{r['layer_speedup']:7.2f}x {r['layer_speedup_both']:9.2f}x {r['combine_ms']['ours']:8.3f}ms {r['combine_ms']['native']:7.3f}ms "
-                  f"{r['combine_speedup']:6.1f}x {100 * r['combine_share']['ours']:9.1f}% "
-                  f"{100 * r['combine_share']['native']:8.1f}% {r['dispatch_ms']['ours']:8.3f}ms "
-                  f"{r['dispatch_ms']['native']:7.3f}ms {r['max_abs_diff']:9.2e}")
+        print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {torch.get_num_threads()} threads; ms per call "
+              f"(median of interleaved rounds); x = ours' speedup over the best built-in; err = max |out - float64| "
+              f"on the first {REF_TOKENS} tokens (forward)")
+        for bname in dict.fromkeys(r["block"] for r in rows):
+            sel = [r for r in rows if r["block"] == bname]
+            print(f"\n{sel[0]['label']}")
+            print(f"{'mode':>7} {'tokens':>6} | {'eager':>9} {'grouped':>9} {'batched':>9} {'ours':>9} | {'x best':>7} "
+                  f"{'best':>10} | {'ours round':>13} | {'err eager':>9} {'err grp':>8} {'err ours':>8} | "
+                  f"{'dispatch':>8} {'experts':>8} {'combine':>8}")
+            for r in sel:
+                im = r["impls"]
+
+                def cell(i):
+                    return f"{im[i]['ms']:9.2f}" if i in im else f"{'(mem)':>9}"
+                o = im["ours"]
+                spread = f"{o['min_ms'] / o['ms'] - 1:+.0%}/{o['max_ms'] / o['ms'] - 1:+.0%}"
+                split = ""
+                if "split_ms" in r:
+                    s = r["split_ms"]
+                    split = f"{s['dispatch']:8.2f} {s['experts']:8.2f} {s['combine']:8.2f}"
+                print(f"{r['mode']:>7} {r['tokens']:>6} | {cell('eager')} {cell('grouped_mm')} {cell('batched_mm')} "
+                      f"{cell('ours')} | {r['speedup']:6.2f}x {r['best_builtin']:>10} | {spread:>13} | "
+                      f"{im['eager']['max_err']:9.2e} {im['grouped_mm']['max_err']:8.2e} {o['max_err']:8.2e} | {split}")
+        print("\n(mem) = batched_mm skipped: its per-pair copies of the expert weights would exceed 3 GiB. "
+              "ours round = fastest/slowest round of ours against its median. dispatch/experts/combine = ours' "
+              "forward split, each part timed alone (ms).")
+        self.print_goals(rows)
+
+    @staticmethod
+    def print_goals(rows):
+        for mode, (everywhere, high, from_tokens) in GOALS.items():
+            sel = [r for r in rows if r["mode"] == mode]
+            if not sel:
+                continue
+            low = min(sel, key=lambda r: r["speedup"])
+            line = f"goal {mode}: >= {everywhere}x everywhere: min {low['speedup']:.2f}x ({low['block']}, {low['tokens']} tokens)"
+            big = [r for r in sel if r["tokens"] >= from_tokens]
+            if from_tokens and big:
+                lowb = min(big, key=lambda r: r["speedup"])
+                line += f"; >= {high}x from {from_tokens} tokens: min {lowb['speedup']:.2f}x ({lowb['block']}, {lowb['tokens']} tokens)"
+            print(line)
+
+    def plot(self, rows, out_dir, meta=""):
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except Exception as e:  # noqa: BLE001
+            print(f"moe plot skipped: {e}")
+            return []
+        blocks = list(dict.fromkeys(r["block"] for r in rows))
+        fig, axes = plt.subplots(1, len(blocks), figsize=(5.2 * len(blocks) + 2.6, 4.2), squeeze=False)
+        colors = method_colors()
+        for ax, bname in zip(axes[0], blocks):
+            for mode, ls, marker in (("fwd", "-", "o"), ("fwd_bwd", "--", "s")):
+                sel = sorted((r for r in rows if r["block"] == bname and r["mode"] == mode), key=lambda r: r["tokens"])
+                for impl in BUILTINS:
+                    pts = [(r["tokens"], r["speedup_vs"][impl]) for r in sel if impl in r["speedup_vs"]]
+                    if pts:
+                        ax.plot(*zip(*pts), ls=ls, marker=marker, ms=4, color=colors[impl],
+                                label=f"vs {impl}, {'forward' if mode == 'fwd' else 'forward+backward'}")
+            ax.axhline(1.0, color="gray", lw=1)
+            ax.axhline(1.3, color="gray", lw=0.8, ls=":")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_xlabel("tokens")
+            ax.set_ylabel("speedup of ours (x)")
+            ax.set_title(BLOCKS[bname][0].replace(", ", "\n", 1), fontsize=9)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
+        fig.suptitle(f"transformers MoE blocks, bfloat16: scatter_add.moe against the built-in experts implementations"
+                     f"{' | ' + meta if meta else ''}", fontsize=9)
+        fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.2 * len(blocks) + 2.6), 0.95))
+        path = Path(out_dir) / "moe_layer_speedup.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return [str(path)]
+
+
+def method_colors():
+    """One colour per method, the shared benchmark style's where it exists."""
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import plotting  # noqa: F401
+
+        return {m: plotting.color(m) for m in IMPLS}
+    except Exception:  # noqa: BLE001
+        return {"eager": "#7f7f7f", "grouped_mm": "#1f77b4", "batched_mm": "#9467bd", "ours": "#d62728"}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--blocks", default=",".join(BLOCKS), help="comma-separated: " + ", ".join(BLOCKS))
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_torch import Progress, cpu_model, load_ours
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(","))
+    t0 = time.time()
+    rows = bench.run(Progress)
+    bench.print_table(rows)
+    meta = f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    files = bench.plot(rows, out_dir, meta)
+    (out_dir / "bench_moe.json").write_text(json.dumps({"meta": meta, "rows": rows, "wall_s": time.time() - t0}, indent=1))
+    print(f"\nwrote {out_dir / 'bench_moe.json'} and {len(files)} plot(s) in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
