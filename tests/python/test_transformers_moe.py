@@ -73,9 +73,17 @@ def randomize(module, seed):
                 p.copy_(0.2 * r)
 
 
-def build(model, dtype=torch.float32, seed=0):
+def build(model, dtype=torch.float32, seed=0, wide=False):
+    """wide: hidden 512 and 16x the intermediate sizes, big enough for the products and the
+    dispatch/combine to split their work over threads."""
     cls_name, extra = MODELS[model]
-    cfg = getattr(tf, cls_name)(**{**COMMON, **extra})
+    kw = {**COMMON, **extra}
+    if wide:
+        kw["hidden_size"] = 512
+        for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if k in kw:
+                kw[k] *= 16
+    cfg = getattr(tf, cls_name)(**kw)
     torch.manual_seed(seed)
     m = tf.AutoModelForCausalLM.from_config(cfg)
     randomize(m, seed)
@@ -176,23 +184,56 @@ def test_bf16_error_no_worse_than_eager(sa, name, model):
     assert ours["max"] <= eager["max"] + step, errs
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_bitwise_identical_for_1_and_2_threads(sa, name, model):
+def outputs_per_thread_count(make, run, counts=(1, 2)):
     threads = torch.get_num_threads()
-    results = []
     try:
-        for n in (1, 2):
+        out = []
+        for n in counts:
             torch.set_num_threads(n)
-            m = with_impl(build(model, torch.bfloat16), name).train()
-            ids = tokens(n=40, batch=3)
-            logits = m(ids).logits
-            logits.float().square().sum().backward()
-            grads = [e.gate_up_proj.grad if e.has_gate else e.up_proj.grad for e in experts_modules(m)]
-            results.append([logits.detach()] + grads)
+            out.append(run(make()))
+        return out
     finally:
         torch.set_num_threads(threads)
-    for a, b in zip(*results):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def bitwise_equal(a, b):
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_bitwise_identical_for_1_and_2_threads(sa, name, model):
+    """The experts of a bf16 model wide enough (hidden 512) for the dispatch and combine to split
+    their work over 2 threads, on the model's own routing: a batch, and one token (one row per
+    expert: the matrix-vector path). Then a training step of the tiny model: logits and
+    expert-weight gradients.
+
+    The expert products are torch's: oneDNN and MKL split the reduction of some product shapes
+    over threads (for every experts implementation alike; at these shapes they do not here). A
+    failure says whether eager's output differed too."""
+    m = build(model, torch.bfloat16, wide=True)
+    ex, batch = capture_experts_inputs(m, tokens(n=64, batch=3))
+    _, one = capture_experts_inputs(m, tokens(n=1, batch=1))
+
+    def infer(impl):
+        def run(_):
+            ex.config._experts_implementation = impl
+            with torch.no_grad():
+                return [ex(*batch), ex(*one)]
+        return run
+
+    a, b = outputs_per_thread_count(lambda: None, infer(name))
+    if not bitwise_equal(a, b):
+        e1, e2 = outputs_per_thread_count(lambda: None, infer("eager"))
+        pytest.fail(f"ours differs between 1 and 2 threads; eager {'too' if not bitwise_equal(e1, e2) else 'does not'}")
+
+    def train(m):
+        m.train()
+        logits = m(tokens(n=40, batch=3)).logits
+        logits.float().square().sum().backward()
+        return [logits.detach()] + [e.gate_up_proj.grad if e.has_gate else e.up_proj.grad for e in experts_modules(m)]
+
+    a, b = outputs_per_thread_count(lambda: with_impl(build(model, torch.bfloat16), name), train)
+    assert bitwise_equal(a, b)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -232,11 +273,13 @@ def test_torch_compile_block(sa, name, model):
     ours = graph_breaks(block, x)
     assert ours <= theirs
     assert ours == 0  # one graph: the grouped products are ops of their own
-    ex.config._experts_implementation = "grouped_mm"
-    theirs_bf16 = graph_breaks(block.to(torch.bfloat16), x.bfloat16())
-    ex.config._experts_implementation = name
-    assert graph_breaks(block, x.bfloat16()) <= theirs_bf16
-    block.float()
+    # bf16, where grouped_mm takes torch's grouped_mm kernel
+    block16 = moe_block(build(model, torch.bfloat16))
+    ex16 = experts_modules(block16)[0]
+    ex16.config._experts_implementation = "grouped_mm"
+    theirs_bf16 = graph_breaks(block16, x.bfloat16())
+    ex16.config._experts_implementation = name
+    assert graph_breaks(block16, x.bfloat16()) <= theirs_bf16
     eager_out = block(x)
     eager_out = eager_out[0] if isinstance(eager_out, tuple) else eager_out
     torch._dynamo.reset()
@@ -312,6 +355,27 @@ def test_decorator_flags(sa, name, kind):
         outs[impl] = (out.detach(), x.grad, ex.down_proj.grad.clone())
         ex.zero_grad()
     for a, b in zip(outs["eager"], outs[name]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_activation_with_parameters_gets_gradients(sa, name):
+    """An act_fn with trainable parameters (here a PReLU in NemotronH's ungated experts) is traced
+    by autograd instead of differentiated block by block: its parameters get their gradients."""
+    ex = flag_experts("no_gate")
+    ex.act_fn = torch.nn.PReLU(init=0.3)
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(24, 32, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(24)])
+    w = torch.rand(24, 2, generator=g)
+    grads = {}
+    for impl in ("eager", name):
+        ex.config._experts_implementation = impl
+        ex.zero_grad()
+        out = ex(h, idx, w)
+        out.square().sum().backward()
+        grads[impl] = (out.detach(), ex.act_fn.weight.grad.clone(), ex.up_proj.grad.clone())
+    assert grads[name][1].abs().sum() > 0
+    for a, b in zip(grads["eager"], grads[name]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 

@@ -25,8 +25,15 @@ transposed [E, in, out] with biases and interleaved gate/up columns.
 Autograd: in eager mode the per-expert loop is one autograd function whose backward runs the
 same blocks (gradients of every weight, bias, input and routing weight; the gate's derivative is
 taken by autograd on each block). Under torch.compile the products are two opaque grouped ops
-and the gate is traced, so a block compiles to one graph. Results are bitwise the same for every
-thread count. transformers is imported only by `register`.
+and the gate is traced, so a block compiles to one graph. transformers is imported only by
+`register`.
+
+Threads: the routing, the dispatch, the combine and the order of the expert blocks do not depend
+on the thread count. The expert products are torch's matrix products, and those are not always
+bitwise the same across thread counts: oneDNN (bf16) and MKL (fp32/fp64) split the reduction of
+some shapes over threads (e.g. a down projection of 45-128 rows at hidden 1024, intermediate
+3584 differs in the last bit between 1 and 2 threads), for every experts implementation alike.
+Where the products are reproducible, so is the layer.
 """
 from typing import List, Optional
 
