@@ -206,17 +206,24 @@ class MoEBench:
         # accuracy of the forward output against float64, on the first REF_TOKENS rows
         n_ref = min(tokens, REF_TOKENS)
         ref = reference(block, x2d[:n_ref])
-        errors = {}
+        errors, same_1t = {}, {}
+        threads = torch.get_num_threads()
         for impl in impls:
             set_impl(cfg, impl, self.name)
             with torch.no_grad():
                 out = block(x2d[:n_ref][None])[0]
+                torch.set_num_threads(1)
+                try:
+                    out1 = block(x2d[:n_ref][None])[0]
+                finally:
+                    torch.set_num_threads(threads)
             errors[impl] = float((out.double() - ref).abs().max())
+            same_1t[impl] = bool(torch.equal(out.view(torch.int16), out1.view(torch.int16)))
         ts = self.timer({impl: call(impl) for impl in impls})
         row = {"block": bname, "label": BLOCKS[bname][0], "mode": mode, "tokens": tokens,
                "experts": block.experts.num_experts, "top_k": block_top_k(block), "dtype": "bfloat16",
                "threads": torch.get_num_threads(), "error_tokens": n_ref,
-               "impls": {i: dict(summarize(ts[i]), max_err=errors[i]) for i in impls},
+               "impls": {i: dict(summarize(ts[i]), max_err=errors[i], same_at_1_thread=same_1t[i]) for i in impls},
                "skipped": {i: "per-pair weight copies over 3 GiB" for i in IMPLS if i not in impls}}
         best = min((i for i in impls if i in BUILTINS), key=lambda i: row["impls"][i]["ms"])
         row["best_builtin"] = best
@@ -265,7 +272,7 @@ class MoEBench:
             sel = [r for r in rows if r["block"] == bname]
             print(f"\n{sel[0]['label']}")
             print(f"{'mode':>7} {'tokens':>6} | {'eager':>9} {'grouped':>9} {'batched':>9} {'ours':>9} | {'x best':>7} "
-                  f"{'best':>10} | {'ours round':>13} | {'err eager':>9} {'err grp':>8} {'err ours':>8} | "
+                  f"{'best':>10} | {'ours round':>13} | {'err eager':>9} {'err grp':>8} {'err ours':>8} | {'det':>5} | "
                   f"{'dispatch':>8} {'experts':>8} {'combine':>8}")
             for r in sel:
                 im = r["impls"]
@@ -278,12 +285,14 @@ class MoEBench:
                 if "split_ms" in r:
                     s = r["split_ms"]
                     split = f"{s['dispatch']:8.2f} {s['experts']:8.2f} {s['combine']:8.2f}"
+                det = "".join("y" if im[i]["same_at_1_thread"] else "n" for i in ("eager", "grouped_mm", "ours"))
                 print(f"{r['mode']:>7} {r['tokens']:>6} | {cell('eager')} {cell('grouped_mm')} {cell('batched_mm')} "
                       f"{cell('ours')} | {r['speedup']:6.2f}x {r['best_builtin']:>10} | {spread:>13} | "
-                      f"{im['eager']['max_err']:9.2e} {im['grouped_mm']['max_err']:8.2e} {o['max_err']:8.2e} | {split}")
+                      f"{im['eager']['max_err']:9.2e} {im['grouped_mm']['max_err']:8.2e} {o['max_err']:8.2e} | {det:>5} | {split}")
         print("\n(mem) = batched_mm skipped: its per-pair copies of the expert weights would exceed 3 GiB. "
-              "ours round = fastest/slowest round of ours against its median. dispatch/experts/combine = ours' "
-              "forward split, each part timed alone (ms).")
+              "ours round = fastest/slowest round of ours against its median. det = forward output on the error "
+              "tokens bitwise the same at 1 thread (eager, grouped_mm, ours: y/n; where n, torch's expert products "
+              "differ). dispatch/experts/combine = ours' forward split, each part timed alone (ms).")
         self.print_goals(rows)
 
     @staticmethod
