@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ["eager", "grouped_mm", "batched_mm", "ours"]
 BUILTINS = ["eager", "grouped_mm", "batched_mm"]
 BATCHED_MM_MAX_BYTES = 3 << 30  # batched_mm copies each pair's expert weights: skipped above this
-REF_TOKENS = 256  # the float64 reference covers the first tokens of each input
+# The eager loop's backward writes a full-size gradient of every expert weight per expert it ran
+# (autograd of weight[e]) and sums them: skipped when that traffic would pass this.
+EAGER_BACKWARD_MAX_BYTES = 24 << 30
 GOALS = {"fwd": (1.0, 1.3, 512), "fwd_bwd": (1.2, 1.2, 0)}  # (everywhere, from tokens on, tokens)
 
 # name: (label, config class, config kwargs, forward token counts, forward+backward token counts)
@@ -55,6 +57,8 @@ BLOCKS = {
                      [1, 8, 64, 512, 2048], [8, 64]),
 }
 QUICK = {"mixtral": ([64], [64])}
+# the float64 reference covers the first tokens of each input (the same for every row of a block)
+REF_TOKENS = {"mixtral": 256, "qwen3_moe": 256, "mixtral_8x7b": 32}
 
 
 def build_block(name, sa):
@@ -97,6 +101,12 @@ def block_top_k(block):
     return block.gate.top_k
 
 
+def eager_backward_bytes(block, tokens):
+    ex = block.experts
+    active = min(ex.num_experts, tokens * block_top_k(block))
+    return 3 * active * (ex.gate_up_proj.numel() + ex.down_proj.numel()) * ex.gate_up_proj.element_size()
+
+
 def reference(block, x2d):
     """The block's output in float64 for the rows x2d: the block's own bf16 routing (so that near
     ties pick the same experts), every expert product and the combine in float64."""
@@ -121,24 +131,32 @@ def reference(block, x2d):
 
 class Timer:
     """Interleaved rounds: one call of each function per round, until min_rounds are done and the
-    budget is spent (or max_rounds). A call slower than `slow` s caps the rounds at min_rounds."""
+    budget is spent (or max_rounds). Each function is called once first (warm-up, timed); one
+    slower than `slow` seconds keeps that one call as its time and leaves the rounds, and when the
+    rounds are slow, min_rounds is where they stop."""
 
-    def __init__(self, budget=2.0, min_rounds=3, max_rounds=15, slow=1.0):
+    def __init__(self, budget=2.0, min_rounds=3, max_rounds=15, slow=2.0):
         self.budget, self.min_rounds, self.max_rounds, self.slow = budget, min_rounds, max_rounds, slow
 
     def __call__(self, fns):
-        for f in fns.values():
-            f()  # warm-up
-        ts = {k: [] for k in fns}
+        ts = {}
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            ts[k] = [time.perf_counter() - t0]
+        rounds_of = [k for k in fns if ts[k][0] <= self.slow]
+        for k in rounds_of:
+            ts[k] = []
         start = time.perf_counter()
         rounds = 0
-        while rounds < self.min_rounds or (time.perf_counter() - start < self.budget and rounds < self.max_rounds):
-            for k, f in fns.items():
+        while rounds_of and (rounds < self.min_rounds or
+                             (time.perf_counter() - start < self.budget and rounds < self.max_rounds)):
+            for k in rounds_of:
                 t0 = time.perf_counter()
-                f()
+                fns[k]()
                 ts[k].append(time.perf_counter() - t0)
             rounds += 1
-            if rounds >= self.min_rounds and max(max(v) for v in ts.values()) > self.slow:
+            if rounds >= self.min_rounds and time.perf_counter() - start > self.budget:
                 break
         return ts
 
@@ -155,6 +173,7 @@ class MoEBench:
         self.name = sa.moe.register()
         self.blocks = list(QUICK) if quick else (blocks or list(BLOCKS))
         self.timer = Timer(budget=0.5, min_rounds=2, max_rounds=3) if quick else Timer()
+        self.refs = {}
 
     def plan(self):
         out = []
@@ -183,7 +202,14 @@ class MoEBench:
     def _row(self, bname, block, cfg, x2d, mode):
         tokens = x2d.shape[0]
         backward = mode == "fwd_bwd"
-        impls = [i for i in IMPLS if i != "batched_mm" or batched_mm_bytes(block, tokens, backward) <= BATCHED_MM_MAX_BYTES]
+        skipped = {}
+        if batched_mm_bytes(block, tokens, backward) > BATCHED_MM_MAX_BYTES:
+            skipped["batched_mm"] = (f"(mem) its per-pair copies of the expert weights: "
+                                     f"{batched_mm_bytes(block, tokens, backward) / 2**30:.0f} GiB")
+        if backward and eager_backward_bytes(block, tokens) > EAGER_BACKWARD_MAX_BYTES:
+            skipped["eager"] = (f"(slow) its backward writes a full-size weight gradient per expert: "
+                                f"~{eager_backward_bytes(block, tokens) / 2**30:.0f} GiB of memory traffic")
+        impls = [i for i in IMPLS if i not in skipped]
         x = x2d[None]
         probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
         params = list(block.parameters())
@@ -204,8 +230,11 @@ class MoEBench:
             return fwd_bwd if backward else fwd
 
         # accuracy of the forward output against float64, on the first REF_TOKENS rows
-        n_ref = min(tokens, REF_TOKENS)
-        ref = reference(block, x2d[:n_ref])
+        n_ref = min(tokens, REF_TOKENS[bname])
+        key = (bname, n_ref)
+        if key not in self.refs:
+            self.refs[key] = reference(block, x2d[:n_ref])
+        ref = self.refs[key]
         errors, same_1t = {}, {}
         threads = torch.get_num_threads()
         for impl in impls:
@@ -224,7 +253,7 @@ class MoEBench:
                "experts": block.experts.num_experts, "top_k": block_top_k(block), "dtype": "bfloat16",
                "threads": torch.get_num_threads(), "error_tokens": n_ref,
                "impls": {i: dict(summarize(ts[i]), max_err=errors[i], same_at_1_thread=same_1t[i]) for i in impls},
-               "skipped": {i: "per-pair weight copies over 3 GiB" for i in IMPLS if i not in impls}}
+               "skipped": skipped}
         best = min((i for i in impls if i in BUILTINS), key=lambda i: row["impls"][i]["ms"])
         row["best_builtin"] = best
         row["speedup"] = row["impls"][best]["ms"] / row["impls"]["ours"]["ms"]
@@ -267,29 +296,37 @@ class MoEBench:
     def print_table(self, rows):
         print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {torch.get_num_threads()} threads; ms per call "
               f"(median of interleaved rounds); x = ours' speedup over the best built-in; err = max |out - float64| "
-              f"on the first {REF_TOKENS} tokens (forward)")
+              f"on the first 256 tokens (32 at 8x7B sizes) of the forward")
         for bname in dict.fromkeys(r["block"] for r in rows):
             sel = [r for r in rows if r["block"] == bname]
             print(f"\n{sel[0]['label']}")
-            print(f"{'mode':>7} {'tokens':>6} | {'eager':>9} {'grouped':>9} {'batched':>9} {'ours':>9} | {'x best':>7} "
+            print(f"{'mode':>7} {'tokens':>6} | {'eager':>9}  {'grouped':>9}  {'batched':>9}  {'ours':>9}  | {'x best':>7} "
                   f"{'best':>10} | {'ours round':>13} | {'err eager':>9} {'err grp':>8} {'err ours':>8} | {'det':>5} | "
                   f"{'dispatch':>8} {'experts':>8} {'combine':>8}")
             for r in sel:
                 im = r["impls"]
 
                 def cell(i):
-                    return f"{im[i]['ms']:9.2f}" if i in im else f"{'(mem)':>9}"
+                    if i not in im:
+                        return f"{r['skipped'][i].split()[0]:>9} "
+                    return f"{im[i]['ms']:9.2f}" + ("*" if im[i]["rounds"] == 1 else " ")
                 o = im["ours"]
                 spread = f"{o['min_ms'] / o['ms'] - 1:+.0%}/{o['max_ms'] / o['ms'] - 1:+.0%}"
                 split = ""
                 if "split_ms" in r:
                     s = r["split_ms"]
                     split = f"{s['dispatch']:8.2f} {s['experts']:8.2f} {s['combine']:8.2f}"
-                det = "".join("y" if im[i]["same_at_1_thread"] else "n" for i in ("eager", "grouped_mm", "ours"))
+                det = "".join(("y" if im[i]["same_at_1_thread"] else "n") if i in im else "-"
+                              for i in ("eager", "grouped_mm", "ours"))
+
+                def err(i):
+                    return f"{im[i]['max_err']:.2e}" if i in im else "-"
                 print(f"{r['mode']:>7} {r['tokens']:>6} | {cell('eager')} {cell('grouped_mm')} {cell('batched_mm')} "
                       f"{cell('ours')} | {r['speedup']:6.2f}x {r['best_builtin']:>10} | {spread:>13} | "
-                      f"{im['eager']['max_err']:9.2e} {im['grouped_mm']['max_err']:8.2e} {o['max_err']:8.2e} | {det:>5} | {split}")
+                      f"{err('eager'):>9} {err('grouped_mm'):>8} {o['max_err']:8.2e} | {det:>5} | {split}")
         print("\n(mem) = batched_mm skipped: its per-pair copies of the expert weights would exceed 3 GiB. "
+              "(slow) = eager's forward+backward skipped: it writes a full-size gradient of the expert weights per "
+              "expert it runs, over 24 GiB of memory traffic here. * = one call (a call over 2 s is timed once). "
               "ours round = fastest/slowest round of ours against its median. det = forward output on the error "
               "tokens bitwise the same at 1 thread (eager, grouped_mm, ours: y/n; where n, torch's expert products "
               "differ). dispatch/experts/combine = ours' forward split, each part timed alone (ms).")
@@ -315,6 +352,7 @@ class MoEBench:
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
+            import matplotlib.ticker  # noqa: F401
         except Exception as e:  # noqa: BLE001
             print(f"moe plot skipped: {e}")
             return []
@@ -333,14 +371,16 @@ class MoEBench:
             ax.axhline(1.3, color="gray", lw=0.8, ls=":")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             ax.set_xlabel("tokens")
             ax.set_ylabel("speedup of ours (x)")
             ax.set_title(BLOCKS[bname][0].replace(", ", "\n", 1), fontsize=9)
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
-        fig.suptitle(f"transformers MoE blocks, bfloat16: scatter_add.moe against the built-in experts implementations"
-                     f"{' | ' + meta if meta else ''}", fontsize=9)
-        fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.2 * len(blocks) + 2.6), 0.95))
+        fig.suptitle("transformers' MoE blocks, bfloat16: speedup of scatter_add.moe over each built-in experts "
+                     f"implementation (dotted: 1.3x){chr(10) + meta if meta else ''}", fontsize=9)
+        fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.2 * len(blocks) + 2.6), 0.92))
         path = Path(out_dir) / "moe_layer_speedup.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
