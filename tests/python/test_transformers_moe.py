@@ -321,6 +321,23 @@ def test_expert_parallel_sentinels(sa, name):
     torch.testing.assert_close(w_ours.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_frozen_experts_still_train_the_router(sa, name):
+    """Experts frozen, hidden states without grad (e.g. adapters on the router only): the products
+    run without recording, and the routing weights still get their gradient through the combine."""
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.requires_grad_(False)
+    grads = {}
+    for impl in ("eager", name):
+        ex.config._experts_implementation = impl
+        wg = w.clone().requires_grad_(True)
+        ex(h, idx, wg).square().sum().backward()
+        grads[impl] = wg.grad
+    ex.config._experts_implementation = "eager"
+    assert grads[name].abs().sum() > 0
+    torch.testing.assert_close(grads[name], grads["eager"], rtol=1e-5, atol=1e-5)
+
+
 def flag_experts(kind):
     if kind == "no_gate":  # up_proj -> act_fn -> down_proj (NemotronH)
         from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts

@@ -39,7 +39,7 @@ from typing import List, Optional
 
 import torch
 
-from ._api import gather, index_add
+from ._api import gather, index_add, scatter_add
 from ._ops import add_op_namespace_prefix
 
 __all__ = ["experts_forward", "register", "NAME"]
@@ -332,16 +332,22 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     xs = gather(hidden_states, token, ignore_index=_IGNORE).to(w_in.dtype)
 
     args = (xs, offsets, w_in, b_in, w_out, b_out, transposed, gate)
-    if torch.compiler.is_compiling() or _gate_has_parameters(self):
+    compiling = torch.compiler.is_compiling()
+    grad = torch.is_grad_enabled()
+    recording = grad and any(t is not None and t.requires_grad for t in (xs, w_in, b_in, w_out, b_out))
+    if compiling or _gate_has_parameters(self):
         ys = _experts_graph(*args)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xs, w_in, b_in, w_out, b_out)):
+    elif recording:
         ys = _Experts.apply(*args)
     else:
         ys, _ = _experts_loop(*args)
     if self.has_post_expert_norm:
         ys = self.post_expert_norm(ys)
+    ys = ys.to(hidden_states.dtype)
     out = hidden_states.new_zeros(hidden_states.shape)
-    return index_add(out, token, ys.to(hidden_states.dtype), weight=pair_weight, ignore_index=_IGNORE)
+    if compiling or (grad and (ys.requires_grad or pair_weight.requires_grad)):
+        return index_add(out, token, ys, weight=pair_weight, ignore_index=_IGNORE)
+    return scatter_add(out, token, ys, weight=pair_weight, ignore_index=_IGNORE)  # in place: no copy of out
 
 
 def register(name: str = NAME) -> str:
