@@ -375,11 +375,15 @@ def test_decorator_flags(sa, name, kind):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_activation_with_parameters_gets_gradients(sa, name):
+@pytest.mark.parametrize("frozen_experts", [False, True])
+def test_activation_with_parameters_gets_gradients(sa, name, frozen_experts):
     """An act_fn with trainable parameters (here a PReLU in NemotronH's ungated experts) is traced
-    by autograd instead of differentiated block by block: its parameters get their gradients."""
+    by autograd instead of differentiated block by block: its parameters get their gradients,
+    also when the expert weights are frozen."""
     ex = flag_experts("no_gate")
     ex.act_fn = torch.nn.PReLU(init=0.3)
+    ex.up_proj.requires_grad_(not frozen_experts)
+    ex.down_proj.requires_grad_(not frozen_experts)
     g = torch.Generator().manual_seed(6)
     h = torch.randn(24, 32, generator=g)
     idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(24)])
@@ -390,7 +394,9 @@ def test_activation_with_parameters_gets_gradients(sa, name):
         ex.zero_grad()
         out = ex(h, idx, w)
         out.square().sum().backward()
-        grads[impl] = (out.detach(), ex.act_fn.weight.grad.clone(), ex.up_proj.grad.clone())
+        grads[impl] = [out.detach(), ex.act_fn.weight.grad.clone()]
+        if not frozen_experts:
+            grads[impl].append(ex.up_proj.grad.clone())
     assert grads[name][1].abs().sum() > 0
     for a, b in zip(grads["eager"], grads[name]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

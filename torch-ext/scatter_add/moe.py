@@ -309,9 +309,15 @@ def _route(top_k_index: torch.Tensor, num_experts: int):
     return token, order, offsets
 
 
-def _gate_has_parameters(self) -> bool:
-    act = getattr(self, "act_fn", None)
-    return isinstance(act, torch.nn.Module) and any(p.requires_grad for p in act.parameters())
+def _gate_has_parameters(self, known) -> bool:
+    """Whether the experts module has trainable parameters besides the expert weights, biases and
+    post-expert norm: ones the gate or activation may use, which the per-block backward (it
+    differentiates the gate with respect to its input only) would miss."""
+    norm = getattr(self, "post_expert_norm", None) if self.has_post_expert_norm else None
+    skip = {id(t) for t in known if t is not None}
+    if isinstance(norm, torch.nn.Module):
+        skip |= {id(p) for p in norm.parameters()}
+    return any(p.requires_grad and id(p) not in skip for p in self.parameters())
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -335,7 +341,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     compiling = torch.compiler.is_compiling()
     grad = torch.is_grad_enabled()
     recording = grad and any(t is not None and t.requires_grad for t in (xs, w_in, b_in, w_out, b_out))
-    if compiling or _gate_has_parameters(self):
+    if compiling or (grad and _gate_has_parameters(self, (w_in, b_in, w_out, b_out))):
         ys = _experts_graph(*args)
     elif recording:
         ys = _Experts.apply(*args)
