@@ -18,7 +18,7 @@ Timings: the implementations run in interleaved rounds (one call of each per rou
 machine's drifting speed hits them alike; each cell is the median of the rounds, and the table
 says how far the fastest and slowest rounds of ours were from it.
 
-    .venv/bin/python benchmarks/bench_moe.py [--quick] [--out DIR]
+    .venv/bin/python benchmarks/bench_moe.py [--quick] [--blocks mixtral,...] [--threads N] [--cpu-time] [--out DIR]
 """
 import argparse
 import gc
@@ -135,15 +135,17 @@ class Timer:
     slower than `slow` seconds keeps that one call as its time and leaves the rounds, and when the
     rounds are slow, min_rounds is where they stop."""
 
-    def __init__(self, budget=2.0, min_rounds=3, max_rounds=15, slow=2.0):
+    def __init__(self, budget=2.0, min_rounds=3, max_rounds=15, slow=2.0, clock=time.perf_counter):
         self.budget, self.min_rounds, self.max_rounds, self.slow = budget, min_rounds, max_rounds, slow
+        self.clock = clock
 
     def __call__(self, fns):
+        clock = self.clock
         ts = {}
         for k, f in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             f()
-            ts[k] = [time.perf_counter() - t0]
+            ts[k] = [clock() - t0]
         rounds_of = [k for k in fns if ts[k][0] <= self.slow]
         for k in rounds_of:
             ts[k] = []
@@ -152,9 +154,9 @@ class Timer:
         while rounds_of and (rounds < self.min_rounds or
                              (time.perf_counter() - start < self.budget and rounds < self.max_rounds)):
             for k in rounds_of:
-                t0 = time.perf_counter()
+                t0 = clock()
                 fns[k]()
-                ts[k].append(time.perf_counter() - t0)
+                ts[k].append(clock() - t0)
             rounds += 1
             if rounds >= self.min_rounds and time.perf_counter() - start > self.budget:
                 break
@@ -167,12 +169,19 @@ def summarize(times):
 
 
 class MoEBench:
-    def __init__(self, sa, quick=False, blocks=None):
+    def __init__(self, sa, quick=False, blocks=None, cpu_time=False):
+        """cpu_time: time with the calling thread's CPU time instead of the wall clock (one thread
+        only): on a machine shared with other work, it leaves out the time slices others take."""
         self.sa = sa
         self.quick = quick
         self.name = sa.moe.register()
         self.blocks = list(QUICK) if quick else (blocks or list(BLOCKS))
-        self.timer = Timer(budget=0.5, min_rounds=2, max_rounds=3) if quick else Timer()
+        if cpu_time and torch.get_num_threads() != 1:
+            raise ValueError(f"cpu_time needs 1 thread, got torch.get_num_threads() = {torch.get_num_threads()}")
+        self.clock_name = "thread CPU time" if cpu_time else "wall clock"
+        clock = time.thread_time if cpu_time else time.perf_counter
+        self.timer = (Timer(budget=0.5, min_rounds=2, max_rounds=3, clock=clock) if quick else Timer(clock=clock))
+        self.split_timer = Timer(budget=0.5, min_rounds=3, max_rounds=10, clock=clock)
         self.refs = {}
 
     def plan(self):
@@ -241,13 +250,13 @@ class MoEBench:
             set_impl(cfg, impl, self.name)
             with torch.no_grad():
                 out = block(x2d[:n_ref][None])[0]
-                torch.set_num_threads(1)
+                torch.set_num_threads(1 if threads != 1 else 2)  # the other of 1 and 2 threads
                 try:
                     out1 = block(x2d[:n_ref][None])[0]
                 finally:
                     torch.set_num_threads(threads)
             errors[impl] = float((out.double() - ref).abs().max())
-            same_1t[impl] = bool(torch.equal(out.view(torch.int16), out1.view(torch.int16)))
+            same_1t[impl] = bool(torch.equal(out.view(torch.int16), out1.view(torch.int16)))  # 1 vs 2 threads
         ts = self.timer({impl: call(impl) for impl in impls})
         row = {"block": bname, "label": BLOCKS[bname][0], "mode": mode, "tokens": tokens,
                "experts": block.experts.num_experts, "top_k": block_top_k(block), "dtype": "bfloat16",
@@ -290,11 +299,11 @@ class MoEBench:
             def combine():
                 return sa.index_add(h.new_zeros(h.shape), token, ys, weight=pw, ignore_index=-1)
 
-            ts = Timer(budget=0.5, min_rounds=3, max_rounds=10)({"dispatch": dispatch, "experts": experts, "combine": combine})
+            ts = self.split_timer({"dispatch": dispatch, "experts": experts, "combine": combine})
         return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
 
     def print_table(self, rows):
-        print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {torch.get_num_threads()} threads; ms per call "
+        print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {torch.get_num_threads()} threads, {self.clock_name}; ms per call "
               f"(median of interleaved rounds); x = ours' speedup over the best built-in; err = max |out - float64| "
               f"on the first 256 tokens (32 at 8x7B sizes) of the forward")
         for bname in dict.fromkeys(r["block"] for r in rows):
@@ -328,7 +337,7 @@ class MoEBench:
               "(slow) = eager's forward+backward skipped: it writes a full-size gradient of the expert weights per "
               "expert it runs, over 24 GiB of memory traffic here. * = one call (a call over 2 s is timed once). "
               "ours round = fastest/slowest round of ours against its median. det = forward output on the error "
-              "tokens bitwise the same at 1 thread (eager, grouped_mm, ours: y/n; where n, torch's expert products "
+              "tokens bitwise the same at 1 and 2 threads (eager, grouped_mm, ours: y/n; where n, torch's expert products "
               "differ). dispatch/experts/combine = ours' forward split, each part timed alone (ms).")
         self.print_goals(rows)
 
@@ -403,17 +412,22 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--blocks", default=",".join(BLOCKS), help="comma-separated: " + ", ".join(BLOCKS))
     ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_torch import Progress, cpu_model, load_ours
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(","))
+    bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(","), cpu_time=args.cpu_time)
     t0 = time.time()
     rows = bench.run(Progress)
     bench.print_table(rows)
-    meta = f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    meta = (f"{cpu_model()}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+            f"{' (CPU time)' if args.cpu_time else ''}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     files = bench.plot(rows, out_dir, meta)
     (out_dir / "bench_moe.json").write_text(json.dumps({"meta": meta, "rows": rows, "wall_s": time.time() - t0}, indent=1))
     print(f"\nwrote {out_dir / 'bench_moe.json'} and {len(files)} plot(s) in {time.time() - t0:.0f} s")
