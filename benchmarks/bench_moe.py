@@ -286,7 +286,7 @@ class MoEBench:
         with torch.no_grad():
             token, order, offsets = moe._route(idx, e)
             xs = sa.gather(h, token, ignore_index=-1)
-            ys, _ = moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
+            ys = moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
             pw = w.reshape(-1)[order]
 
             def dispatch():
