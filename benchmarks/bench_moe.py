@@ -19,6 +19,7 @@ machine's drifting speed hits them alike; each cell is the median of the rounds,
 says how far the fastest and slowest rounds of ours were from it.
 
     .venv/bin/python benchmarks/bench_moe.py [--quick] [--blocks mixtral,...] [--threads N] [--cpu-time] [--out DIR]
+    .venv/bin/python benchmarks/bench_moe.py --plot-only results/bench_moe.json --out DIR   (redraw only)
 """
 import argparse
 import gc
@@ -303,7 +304,7 @@ class MoEBench:
         return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
 
     def print_table(self, rows):
-        print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {torch.get_num_threads()} threads, {self.clock_name}; ms per call "
+        print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {rows[0]['threads']} threads, {self.clock_name}; ms per call "
               f"(median of interleaved rounds); x = ours' speedup over the best built-in; err = max |out - float64| "
               f"on the first 256 tokens (32 at 8x7B sizes) of the forward")
         for bname in dict.fromkeys(r["block"] for r in rows):
@@ -355,56 +356,93 @@ class MoEBench:
                 line += f"; >= {high}x from {from_tokens} tokens: min {lowb['speedup']:.2f}x ({lowb['block']}, {lowb['tokens']} tokens)"
             print(line)
 
-    def plot(self, rows, out_dir, meta=""):
-        try:
-            import matplotlib
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-            import matplotlib.ticker  # noqa: F401
-        except Exception as e:  # noqa: BLE001
-            print(f"moe plot skipped: {e}")
-            return []
-        blocks = list(dict.fromkeys(r["block"] for r in rows))
-        fig, axes = plt.subplots(1, len(blocks), figsize=(5.2 * len(blocks) + 2.6, 4.2), squeeze=False)
-        colors = method_colors()
-        for ax, bname in zip(axes[0], blocks):
-            for mode, ls, marker in (("fwd", "-", "o"), ("fwd_bwd", "--", "s")):
-                sel = sorted((r for r in rows if r["block"] == bname and r["mode"] == mode), key=lambda r: r["tokens"])
-                for impl in BUILTINS:
-                    pts = [(r["tokens"], r["speedup_vs"][impl]) for r in sel if impl in r["speedup_vs"]]
-                    if pts:
-                        ax.plot(*zip(*pts), ls=ls, marker=marker, ms=4, color=colors[impl],
-                                label=f"vs {impl}, {'forward' if mode == 'fwd' else 'forward+backward'}")
-            ax.axhline(1.0, color="gray", lw=1)
-            ax.axhline(1.3, color="gray", lw=0.8, ls=":")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log", base=2)
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.set_xlabel("tokens")
-            ax.set_ylabel("speedup of ours (x)")
-            ax.set_title(BLOCKS[bname][0].replace(", ", "\n", 1), fontsize=9)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
-        fig.suptitle("transformers' MoE blocks, bfloat16: speedup of scatter_add.moe over each built-in experts "
-                     f"implementation (dotted: 1.3x){chr(10) + meta if meta else ''}", fontsize=9)
-        fig.tight_layout(rect=(0, 0, 1 - 2.4 / (5.2 * len(blocks) + 2.6), 0.92))
-        path = Path(out_dir) / "moe_layer_speedup.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return [str(path)]
+# transformers' experts implementations: one fixed colour each (ours: the shared style's)
+MOE_METHOD_STYLE = {"eager": ("#E41A1C", "eager (the model's loop)"),
+                    "grouped_mm": ("#4DAF4A", "grouped_mm (transformers' default)"),
+                    "batched_mm": ("#984EA3", "batched_mm")}
+MODE_STYLE = {"fwd": ("-", "o", "forward (no grad)"), "fwd_bwd": ("--", "s", "forward + backward")}
+SPLIT_COLORS = {"dispatch": "#56B4E9", "experts": "#BBBBBB", "combine": "#E69F00"}
 
 
-def method_colors():
-    """One colour per method, the shared benchmark style's where it exists."""
+def plot_moe(rows, out_dir, info, path_name="moe_layer_speedup.png"):
+    """Top row: ours' speedup over each built-in experts implementation against tokens, one panel
+    per block (colour = implementation, line style = forward or forward+backward; dotted: the 1.3x
+    goal). Bottom row: where ours' forward time goes (dispatch, expert products, combine), as
+    shares of their sum. info: plotting.run_info()'s facts of the run. Rows of another format
+    (a saved bench.json from before) are left out."""
+    rows = [r for r in rows if "speedup_vs" in r]
+    if not rows:
+        return []
     try:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        import plotting  # noqa: F401
+        import plotting
+        from matplotlib.patches import Patch
+    except Exception as e:  # noqa: BLE001
+        print(f"moe plot skipped: {e}")
+        return []
 
-        return {m: plotting.color(m) for m in IMPLS}
-    except Exception:  # noqa: BLE001
-        return {"eager": "#7f7f7f", "grouped_mm": "#1f77b4", "batched_mm": "#9467bd", "ours": "#d62728"}
+    def color(impl):
+        return MOE_METHOD_STYLE[impl][0] if impl in MOE_METHOD_STYLE else plotting.method_color(impl)
+
+    blocks = list(dict.fromkeys(r["block"] for r in rows))
+    has_split = any("split_ms" in r for r in rows)
+    fig, axes = plotting.figure(2 if has_split else 1, len(blocks), width=4.6, height=3.6)
+    speedups = [v for r in rows for v in r["speedup_vs"].values()]
+    impls_seen = []
+    for j, bname in enumerate(blocks):
+        ax = axes[0][j]
+        sel = [r for r in rows if r["block"] == bname]
+        for mode, (ls, marker, _) in MODE_STYLE.items():
+            pts = sorted((r for r in sel if r["mode"] == mode), key=lambda r: r["tokens"])
+            for impl in BUILTINS:
+                xy = [(r["tokens"], r["speedup_vs"][impl]) for r in pts if impl in r["speedup_vs"]]
+                if xy:
+                    ax.plot(*zip(*xy), linestyle=ls, marker=marker, ms=4, lw=1.3, color=color(impl))
+                    impls_seen += [impl] if impl not in impls_seen else []
+        ns = sorted({r["tokens"] for r in sel})
+        plotting.plain_log_axis(ax, ns, "x", fmt=lambda v: f"{v:.0f}")
+        ax.set_xlim(ns[0] / 1.6, ns[-1] * 1.6)
+        plotting.speedup_axis(ax, min(speedups), max(speedups))
+        ax.axhline(1.3, color="#444444", lw=1, linestyle=":", zorder=1)
+        ax.set_title(BLOCKS[bname][0].replace(", ", "\n", 1) if bname in BLOCKS else bname)
+        ax.set_xlabel("tokens")
+        if j == 0:
+            ax.set_ylabel("speedup of ours over the built-in (x, log)\nabove 1x: ours is faster")
+        if has_split:
+            bx = axes[1][j]
+            fw = sorted((r for r in sel if "split_ms" in r), key=lambda r: r["tokens"])
+            bottom = [0.0] * len(fw)
+            for part, c in SPLIT_COLORS.items():
+                share = [r["split_ms"][part] / sum(r["split_ms"].values()) * 100 for r in fw]
+                bx.bar(range(len(fw)), share, bottom=bottom, color=c, width=0.7, edgecolor="white", lw=0.5)
+                bottom = [b + v for b, v in zip(bottom, share)]
+            bx.set_xticks(range(len(fw)), [str(r["tokens"]) for r in fw])
+            bx.set_ylim(0, 100)
+            bx.grid(False, axis="x")
+            bx.set_xlabel("tokens (forward)")
+            if j == 0:
+                bx.set_ylabel("share of ours' forward (%)")
+            for i, r in enumerate(fw):
+                bx.text(i, 101, f"{sum(r['split_ms'].values()):.3g} ms", ha="center", va="bottom", fontsize=7)
+    leg = plotting.legend_outside(fig, [plotting.Line2D([], [], color=color(i), lw=1.3) for i in impls_seen],
+                                  [f"vs {MOE_METHOD_STYLE.get(i, (None, i))[1]}" for i in impls_seen],
+                                  title="built-in (colour)", y=0.85 if has_split else 0.7, loc="upper left")
+    fig.add_artist(leg)
+    handles = [plotting.Line2D([], [], color="#444444", linestyle=ls, marker=m) for ls, m, _ in MODE_STYLE.values()]
+    handles.append(plotting.Line2D([], [], color="#444444", linestyle=":"))
+    labels = [lab for _, _, lab in MODE_STYLE.values()] + ["the 1.3x goal (forward, 512+ tokens)"]
+    leg = plotting.legend_outside(fig, handles, labels, title="mode (line style)", y=0.62 if has_split else 0.3,
+                                  loc="upper left")
+    if has_split:
+        fig.add_artist(leg)
+        plotting.legend_outside(fig, [Patch(color=c) for c in SPLIT_COLORS.values()],
+                                ["dispatch: routing sort + gather", "expert products (torch matmuls)",
+                                 "combine: weighted index_add"], title="ours' forward (bars)", y=0.35, loc="upper left")
+    fig.suptitle(plotting.run_title("transformers' MoE blocks, bfloat16: scatter_add.moe against each built-in "
+                                    "experts implementation", info), y=1.02)
+    fig.tight_layout()
+    return [plotting.save(fig, Path(out_dir) / path_name)]
 
 
 def main():
@@ -414,24 +452,36 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1)")
+    ap.add_argument("--plot-only", metavar="BENCH_MOE_JSON",
+                    help="measure nothing: print the tables and redraw the plot of a saved bench_moe.json into --out")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_torch import Progress, cpu_model, load_ours
+    import plotting
+    from bench_torch import Progress, git_commit, load_ours
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        saved = json.loads(Path(args.plot_only).read_text())
+        bench = MoEBench.__new__(MoEBench)
+        bench.clock_name = saved.get("clock", "see the run's log")
+        bench.print_table(saved["rows"])
+        files = plot_moe(saved["rows"], out_dir, saved["info"])
+        print(f"\nwrote {len(files)} plot(s) from {args.plot_only}")
+        return
     bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(","), cpu_time=args.cpu_time)
     t0 = time.time()
     rows = bench.run(Progress)
     bench.print_table(rows)
-    meta = (f"{cpu_model()}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
-            f"{' (CPU time)' if args.cpu_time else ''}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
-    files = bench.plot(rows, out_dir, meta)
-    (out_dir / "bench_moe.json").write_text(json.dumps({"meta": meta, "rows": rows, "wall_s": time.time() - t0}, indent=1))
+    info = plotting.run_info()
+    info["threads"] = f"{info['threads']} (timed by thread CPU time)" if args.cpu_time else info["threads"]
+    info["commit"] = git_commit()
+    files = plot_moe(rows, out_dir, info)
+    (out_dir / "bench_moe.json").write_text(json.dumps({"info": info, "clock": bench.clock_name, "rows": rows,
+                                                        "wall_s": time.time() - t0}, indent=1))
     print(f"\nwrote {out_dir / 'bench_moe.json'} and {len(files)} plot(s) in {time.time() - t0:.0f} s")
-
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_moe import MoEBench  # noqa: E402
+from bench_moe import MoEBench, plot_moe  # noqa: E402
 import plotting  # noqa: E402
 
 NP_ADD_AT_MAX_ELEMENTS = 1 << 25  # np.add.at runs ~60 M elements/s here: above this, skipped
@@ -407,6 +407,7 @@ def main():
                 "date": saved["date"][:10], "commit": saved.get("git_commit")}
         print_op_table(saved["op_benchmark"], saved["stream_ceiling_gbs"])
         files = plots(saved["op_benchmark"], saved["stream_ceiling_gbs"], out_dir, info)
+        files += plot_moe(saved.get("moe_layer") or [], out_dir, info)
         print(f"\nwrote {len(files)} plots from {args.plot_only} (run of {saved['date']}, commit {saved['git_commit'][:7]})")
         return
     torch.manual_seed(0)
@@ -425,9 +426,7 @@ def main():
         moe.print_table(moe_rows)
     dist_res = None if args.skip_moe else distributed_benchmark(args, out_dir)
     info = dict(plotting.run_info(), commit=git_commit())
-    files = plots(rows, ceiling, out_dir, info)
-    if moe_rows:
-        files += moe.plot(moe_rows, out_dir, plotting.run_title("", info).strip())
+    files = plots(rows, ceiling, out_dir, info) + plot_moe(moe_rows, out_dir, info)
     result = {
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform()},
