@@ -18,7 +18,7 @@ Timings: the implementations run in interleaved rounds (one call of each per rou
 machine's drifting speed hits them alike; each cell is the median of the rounds, and the table
 says how far the fastest and slowest rounds of ours were from it.
 
-    .venv/bin/python benchmarks/bench_moe.py [--quick] [--blocks mixtral,...] [--threads N] [--cpu-time] [--out DIR]
+    .venv/bin/python benchmarks/bench_moe.py [--quick | --make-bench] [--blocks mixtral,...] [--threads N] [--cpu-time] [--out DIR]
     .venv/bin/python benchmarks/bench_moe.py --plot-only results/bench_moe.json --out DIR   (redraw only)
 """
 import argparse
@@ -58,6 +58,12 @@ BLOCKS = {
                      [1, 8, 64, 512, 2048], [8, 64]),
 }
 QUICK = {"mixtral": ([64], [64])}
+# `make bench` (through bench_torch.py): every token count forward; forward+backward at 1, 64, 512
+# and 2048 tokens; Mixtral-8x7B's sizes forward at 1, 64 and 512 tokens only; a shorter timing
+# budget: the MoE part takes a few minutes. bench_moe.py alone runs all of BLOCKS.
+MAKE_BENCH = {"mixtral": ([1, 8, 64, 512, 2048, 8192], [1, 64, 512, 2048]),
+              "qwen3_moe": ([1, 8, 64, 512, 2048, 8192], [1, 64, 512, 2048]),
+              "mixtral_8x7b": ([1, 64, 512], [])}
 # the float64 reference covers the first tokens of each input (the same for every row of a block)
 REF_TOKENS = {"mixtral": 256, "qwen3_moe": 256, "mixtral_8x7b": 32}
 
@@ -170,25 +176,30 @@ def summarize(times):
 
 
 class MoEBench:
-    def __init__(self, sa, quick=False, blocks=None, cpu_time=False):
+    def __init__(self, sa, quick=False, blocks=None, cpu_time=False, sizes=None):
         """cpu_time: time with the calling thread's CPU time instead of the wall clock (one thread
-        only): on a machine shared with other work, it leaves out the time slices others take."""
+        only): on a machine shared with other work, it leaves out the time slices others take.
+        sizes: {block: (forward token counts, forward+backward token counts)} instead of BLOCKS'
+        (MAKE_BENCH: the subset `make bench` runs)."""
+        self.sizes = {b: v[3:] for b, v in BLOCKS.items()}
+        self.sizes.update(QUICK if quick else (sizes or {}))
         self.sa = sa
         self.quick = quick
         self.name = sa.moe.register()
-        self.blocks = list(QUICK) if quick else (blocks or list(BLOCKS))
+        self.blocks = list(QUICK) if quick else (blocks or list(sizes or BLOCKS))
         if cpu_time and torch.get_num_threads() != 1:
             raise ValueError(f"cpu_time needs 1 thread, got torch.get_num_threads() = {torch.get_num_threads()}")
         self.clock_name = "thread CPU time" if cpu_time else "wall clock"
         clock = time.thread_time if cpu_time else time.perf_counter
-        self.timer = (Timer(budget=0.5, min_rounds=2, max_rounds=3, clock=clock) if quick else Timer(clock=clock))
+        self.timer = (Timer(budget=0.5, min_rounds=2, max_rounds=3, clock=clock) if quick else
+                      Timer(budget=0.5, clock=clock) if sizes else Timer(clock=clock))
         self.split_timer = Timer(budget=0.5, min_rounds=3, max_rounds=10, clock=clock)
         self.refs = {}
 
     def plan(self):
         out = []
         for b in self.blocks:
-            fwd, fb = QUICK[b] if self.quick else BLOCKS[b][3:]
+            fwd, fb = self.sizes[b]
             out += [(b, "fwd", t) for t in fwd] + [(b, "fwd_bwd", t) for t in fb]
         return out
 
@@ -365,7 +376,7 @@ MODE_STYLE = {"fwd": ("-", "o", "forward (no grad)"), "fwd_bwd": ("--", "s", "fo
 SPLIT_COLORS = {"dispatch": "#56B4E9", "experts": "#BBBBBB", "combine": "#E69F00"}
 
 
-def plot_moe(rows, out_dir, info, path_name="moe_layer_speedup.png"):
+def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
     """Top row: ours' speedup over each built-in experts implementation against tokens, one panel
     per block (colour = implementation, line style = forward or forward+backward; dotted: the 1.3x
     goal). Bottom row: where ours' forward time goes (dispatch, expert products, combine), as
@@ -424,7 +435,7 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_speedup.png"):
             if j == 0:
                 bx.set_ylabel("share of ours' forward (%)")
             for i, r in enumerate(fw):
-                bx.text(i, 101, f"{sum(r['split_ms'].values()):.3g} ms", ha="center", va="bottom", fontsize=7)
+                bx.text(i, 101, f"{sum(r['split_ms'].values()):.{0 if sum(r['split_ms'].values()) >= 100 else 1}f} ms", ha="center", va="bottom", fontsize=7)
     leg = plotting.legend_outside(fig, [plotting.Line2D([], [], color=color(i), lw=1.3) for i in impls_seen],
                                   [f"vs {MOE_METHOD_STYLE.get(i, (None, i))[1]}" for i in impls_seen],
                                   title="built-in (colour)", y=0.85 if has_split else 0.7, loc="upper left")
@@ -439,8 +450,9 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_speedup.png"):
         plotting.legend_outside(fig, [Patch(color=c) for c in SPLIT_COLORS.values()],
                                 ["dispatch: routing sort + gather", "expert products (torch matmuls)",
                                  "combine: weighted index_add"], title="ours' forward (bars)", y=0.35, loc="upper left")
+    clock = f", timed by {info['clock']}" if info.get("clock") else ""
     fig.suptitle(plotting.run_title("transformers' MoE blocks, bfloat16: scatter_add.moe against each built-in "
-                                    "experts implementation", info), y=1.02)
+                                    f"experts implementation{clock}", info), y=1.02)
     fig.tight_layout()
     return [plotting.save(fig, Path(out_dir) / path_name)]
 
@@ -448,10 +460,11 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_speedup.png"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--blocks", default=",".join(BLOCKS), help="comma-separated: " + ", ".join(BLOCKS))
+    ap.add_argument("--blocks", default=None, help="comma-separated: " + ", ".join(BLOCKS))
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--cpu-time", action="store_true", help="time by the thread's CPU time (needs --threads 1)")
+    ap.add_argument("--make-bench", action="store_true", help="the subset `make bench` runs (MAKE_BENCH)")
     ap.add_argument("--plot-only", metavar="BENCH_MOE_JSON",
                     help="measure nothing: print the tables and redraw the plot of a saved bench_moe.json into --out")
     args = ap.parse_args()
@@ -466,20 +479,19 @@ def main():
     if args.plot_only:
         saved = json.loads(Path(args.plot_only).read_text())
         bench = MoEBench.__new__(MoEBench)
-        bench.clock_name = saved.get("clock", "see the run's log")
+        bench.clock_name = saved["info"].get("clock", "wall clock")
         bench.print_table(saved["rows"])
         files = plot_moe(saved["rows"], out_dir, saved["info"])
         print(f"\nwrote {len(files)} plot(s) from {args.plot_only}")
         return
-    bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(","), cpu_time=args.cpu_time)
+    bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(",") if args.blocks else None, cpu_time=args.cpu_time,
+                     sizes=MAKE_BENCH if args.make_bench else None)
     t0 = time.time()
     rows = bench.run(Progress)
     bench.print_table(rows)
-    info = plotting.run_info()
-    info["threads"] = f"{info['threads']} (timed by thread CPU time)" if args.cpu_time else info["threads"]
-    info["commit"] = git_commit()
+    info = dict(plotting.run_info(), commit=git_commit(), clock=bench.clock_name)
     files = plot_moe(rows, out_dir, info)
-    (out_dir / "bench_moe.json").write_text(json.dumps({"info": info, "clock": bench.clock_name, "rows": rows,
+    (out_dir / "bench_moe.json").write_text(json.dumps({"info": info, "rows": rows,
                                                         "wall_s": time.time() - t0}, indent=1))
     print(f"\nwrote {out_dir / 'bench_moe.json'} and {len(files)} plot(s) in {time.time() - t0:.0f} s")
 

@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_moe import MoEBench, plot_moe  # noqa: E402
+from bench_moe import MAKE_BENCH, MoEBench, plot_moe  # noqa: E402
 import plotting  # noqa: E402
 
 NP_ADD_AT_MAX_ELEMENTS = 1 << 25  # np.add.at runs ~60 M elements/s here: above this, skipped
@@ -421,7 +421,7 @@ def main():
     print_op_table(rows, ceiling)
     moe_rows = []
     if not args.skip_moe:
-        moe = MoEBench(sa, quick=args.quick)
+        moe = MoEBench(sa, quick=args.quick, sizes=MAKE_BENCH)
         moe_rows = moe.run(Progress)
         moe.print_table(moe_rows)
     dist_res = None if args.skip_moe else distributed_benchmark(args, out_dir)
