@@ -484,8 +484,8 @@ def main():
         files = plot_moe(saved["rows"], out_dir, saved["info"])
         print(f"\nwrote {len(files)} plot(s) from {args.plot_only}")
         return
-    bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(",") if args.blocks else None, cpu_time=args.cpu_time,
-                     sizes=MAKE_BENCH if args.make_bench else None)
+    bench = MoEBench(load_ours(), quick=args.quick, blocks=args.blocks.split(",") if args.blocks else None,
+                     cpu_time=args.cpu_time, sizes=MAKE_BENCH if args.make_bench else None)
     t0 = time.time()
     rows = bench.run(Progress)
     bench.print_table(rows)
