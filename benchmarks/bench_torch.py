@@ -9,11 +9,11 @@
    max error against a float64 reference, and bitwise reproducibility across 1 and 2 threads.
    Bytes moved (the floor): K*D*s (src read) + 2*R*D*s (each touched row read and written once) +
    K*4 (int32 index), R = number of distinct destination rows, s = element size.
-2. MoE layer benchmark: a Mixtral-style sparse MoE block (router softmax, top-2, SwiGLU experts,
-   static capacity) compiled whole with torch.compile, combine by our op vs native index_add_.
+2. MoE layer benchmark (benchmarks/bench_moe.py): transformers' Mixtral and Qwen3-MoE blocks with
+   each experts implementation (eager, grouped_mm, batched_mm, ours), forward and forward+backward.
 3. results/bench.json (every figure, machine, torch, git commit) and PNG plots in results/.
 
-    .venv/bin/python benchmarks/bench_torch.py [--quick] [--mixtral] [--out DIR]
+    .venv/bin/python benchmarks/bench_torch.py [--quick] [--out DIR]
     .venv/bin/python benchmarks/bench_torch.py --plot-only results/bench.json --out DIR   (redraw only)
 """
 import argparse
@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_moe import MoEBench  # noqa: E402
+from bench_moe import MAKE_BENCH, MoEBench, plot_moe  # noqa: E402
 import plotting  # noqa: E402
 
 NP_ADD_AT_MAX_ELEMENTS = 1 << 25  # np.add.at runs ~60 M elements/s here: above this, skipped
@@ -332,7 +332,7 @@ def plot_gbs_vs_shape(rows, ceiling, info, path):
     return plotting.save(fig, path)
 
 
-def plots(rows, moe_rows, ceiling, out_dir, info=None):
+def plots(rows, ceiling, out_dir, info=None):
     try:
         import matplotlib
 
@@ -352,18 +352,6 @@ def plots(rows, moe_rows, ceiling, out_dir, info=None):
     info = info or plotting.run_info()
     files.append(plot_speedup_vs_tokens(rows, info, out_dir / "speedup_vs_tokens.png"))
     files.append(plot_gbs_vs_shape(rows, ceiling, info, out_dir / "gbs_vs_shape.png"))
-
-    if moe_rows:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([m["tokens"] for m in moe_rows], [m["layer_speedup"] for m in moe_rows], marker="o", label="layer")
-        ax.plot([m["tokens"] for m in moe_rows], [m["combine_speedup"] for m in moe_rows], marker="o", label="combine")
-        ax.axhline(1.0, color="gray", lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("speedup of ours (x)")
-        ax.set_title("Mixtral-style MoE block, torch.compile'd")
-        ax.legend()
-        save(fig, "moe_layer_speedup.png")
     return files
 
 
@@ -405,7 +393,6 @@ cpu_model = plotting.cpu_model
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small subset (make test runs it)")
-    ap.add_argument("--mixtral", action="store_true", help="MoE layer at hidden 4096, intermediate 14336")
     ap.add_argument("--out", default=str(ROOT / "results"), help="directory for bench.json and plots")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--plot-only", metavar="BENCH_JSON",
@@ -419,7 +406,8 @@ def main():
         info = {"cpu": m["cpu"], "cpus": m["cpus"], "threads": m["torch_threads"], "torch": saved["torch"],
                 "date": saved["date"][:10], "commit": saved.get("git_commit")}
         print_op_table(saved["op_benchmark"], saved["stream_ceiling_gbs"])
-        files = plots(saved["op_benchmark"], saved["moe_layer"], saved["stream_ceiling_gbs"], out_dir, info)
+        files = plots(saved["op_benchmark"], saved["stream_ceiling_gbs"], out_dir, info)
+        files += plot_moe(saved.get("moe_layer") or [], out_dir, info)
         print(f"\nwrote {len(files)} plots from {args.plot_only} (run of {saved['date']}, commit {saved['git_commit'][:7]})")
         return
     torch.manual_seed(0)
@@ -433,11 +421,12 @@ def main():
     print_op_table(rows, ceiling)
     moe_rows = []
     if not args.skip_moe:
-        moe = MoEBench(sa, mixtral=args.mixtral, quick=args.quick)
+        moe = MoEBench(sa, quick=args.quick, sizes=MAKE_BENCH)
         moe_rows = moe.run(Progress)
         moe.print_table(moe_rows)
     dist_res = None if args.skip_moe else distributed_benchmark(args, out_dir)
-    files = plots(rows, moe_rows, ceiling, out_dir, dict(plotting.run_info(), commit=git_commit()))
+    info = dict(plotting.run_info(), commit=git_commit())
+    files = plots(rows, ceiling, out_dir, info) + plot_moe(moe_rows, out_dir, info)
     result = {
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "platform": platform.platform()},

@@ -8,6 +8,11 @@ run either on scatter-add (`ours`) or on native torch indexing / index_add_ (`na
     experts:  SwiGLU  h = (silu(xe @ W1) * (xe @ W3)) @ W2,  per expert (bmm)
     combine:  y[slot_token[s]] += slot_weight[s] * h[s]      (scatter-add, padding skipped)
 
+This hand-written block is the static-capacity building block of the expert-parallel example
+(examples/expert_parallel.py), its test and benchmark. For transformers' own MoE models (Mixtral,
+Qwen-MoE, OLMoE, DeepSeek-V3, GPT-OSS) use scatter_add.moe instead: examples/transformers_moe.py;
+the MoE-layer benchmark (benchmarks/bench_moe.py) runs those models' code.
+
 Run it: .venv/bin/python examples/moe_layer.py  (loads the built package; prints both outputs' diff)
 """
 import math

@@ -8,9 +8,9 @@
 
 All imports are relative: the kernels loader imports this package under its per-build name.
 """
-from . import distributed, layers
+from . import distributed, layers, moe
 from ._api import gather, index_add, scatter_add
 from ._ops import ops
 from .layers import ScatterAdd
 
-__all__ = ["scatter_add", "index_add", "gather", "ScatterAdd", "layers", "distributed", "ops"]
+__all__ = ["scatter_add", "index_add", "gather", "ScatterAdd", "layers", "distributed", "moe", "ops"]

@@ -1,0 +1,434 @@
+"""scatter_add.moe as transformers' experts implementation: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+DeepSeek-V3 and GPT-OSS built from tiny configs (no network), against the models' own eager
+experts loop: logits, every gradient, bf16 error against float64, bitwise results across thread
+counts, greedy generation, torch.compile, expert-parallel sentinels, the decorator's other flags
+(no gate, post-expert norm) and bad input."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+from conftest import ROOT  # noqa: E402
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+
+MODELS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=40)),
+    # Qwen3-MoE's real shape has many small experts and top-8: 16 experts, top-4 here.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=16,
+                                         num_experts_per_tok=4, head_dim=8)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=24,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                             first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                             n_shared_experts=1)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=16)),
+}
+
+
+@pytest.fixture(scope="module")
+def name(sa):
+    """Registers our experts function under a test name through a counting wrapper, so every test
+    also proves that transformers actually called it."""
+    calls = {"n": 0}
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return sa.moe.experts_forward(*args, **kwargs)
+
+    from transformers.integrations.moe import ExpertsInterface
+
+    assert sa.moe.register() == "scatter_add"
+    ExpertsInterface.register("scatter_add_counted", counted)
+    counted.calls = calls
+    return "scatter_add_counted"
+
+
+def calls(name):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    return ALL_EXPERTS_FUNCTIONS[name].calls["n"]
+
+
+def randomize(module, seed):
+    """Every parameter drawn from a seeded normal (norm scales around 1, biases included), so that
+    biases, routers and every expert take part and the output is not near zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in pname and p.dim() == 1:
+                p.copy_(1 + 0.1 * r)
+            else:
+                p.copy_(0.2 * r)
+
+
+def build(model, dtype=torch.float32, seed=0, wide=False):
+    """wide: hidden 512 and 16x the intermediate sizes, big enough for the products and the
+    dispatch/combine to split their work over threads."""
+    cls_name, extra = MODELS[model]
+    kw = {**COMMON, **extra}
+    if wide:
+        kw["hidden_size"] = 512
+        for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if k in kw:
+                kw[k] *= 16
+    cfg = getattr(tf, cls_name)(**kw)
+    torch.manual_seed(seed)
+    m = tf.AutoModelForCausalLM.from_config(cfg)
+    randomize(m, seed)
+    m.set_experts_implementation("eager")
+    return m.to(dtype).eval()
+
+
+def with_impl(m, impl):
+    m2 = copy.deepcopy(m)
+    m2.set_experts_implementation(impl)
+    return m2
+
+
+def experts_modules(m):
+    return [mod for mod in m.modules() if hasattr(mod, "has_gate") and hasattr(mod, "down_proj")]
+
+
+def tokens(n=11, batch=2, seed=1):
+    return torch.randint(3, COMMON["vocab_size"], (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_logits_match_eager_float32(sa, name, model):
+    eager = build(model)
+    ours = with_impl(eager, name)
+    ids = tokens()
+    before = calls(name)
+    with torch.no_grad():
+        a = eager(ids).logits
+        b = ours(ids).logits
+    assert calls(name) - before == len(experts_modules(ours))
+    assert a.abs().max() > 0.1
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_gradients_match_eager(sa, name, model):
+    eager = build(model).train()
+    ours = with_impl(eager, name).train()
+    ids = tokens()
+    probe = torch.randn(ids.shape + (COMMON["vocab_size"],), generator=torch.Generator().manual_seed(2))
+    for m in (eager, ours):
+        (m(ids).logits * probe).sum().backward()
+    ours_params = dict(ours.named_parameters())
+    checked = 0
+    for pname, p in eager.named_parameters():
+        q = ours_params[pname]
+        if p.grad is None:
+            assert q.grad is None, pname
+            continue
+        # float32 sums in another order, carried back through the layers: relative to the largest
+        scale = p.grad.abs().max().item()
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6 * scale, msg=lambda m: f"{pname} ({scale=}): {m}")
+        checked += ".experts." in pname
+    # every expert weight (and bias) of every layer has a gradient that matched
+    assert checked == sum(len(list(e.parameters())) for e in experts_modules(eager))
+
+
+def capture_experts_inputs(m, ids):
+    """(experts module, its (hidden_states, top_k_index, top_k_weights)) of the first MoE layer,
+    as the model's own router produced them."""
+    ex = experts_modules(m)[0]
+    seen = []
+    hook = ex.register_forward_pre_hook(lambda mod, args: seen.append(tuple(a.detach().clone() for a in args)))
+    with torch.no_grad():
+        m(ids)
+    hook.remove()
+    return ex, seen[0]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_bf16_error_no_worse_than_eager(sa, name, model):
+    """Same bf16 weights and inputs; the reference is the eager loop in float64. Ours sums the
+    top-k expert rows in float32 and rounds once (eager rounds each weighted row to bf16, then
+    each sum), and adds biases inside the product. The mean and RMS errors must be no worse than
+    eager's. The largest single error comes from where the bf16 intermediates (the activation)
+    happen to round on either side, so it may exceed eager's by at most one bf16 step at the
+    output's magnitude."""
+    m = build(model, torch.bfloat16)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=64, batch=4))
+    ref_ex = copy.deepcopy(ex).double()
+    ref_ex.config = copy.copy(ex.config)
+    ref_ex.config._experts_implementation = "eager"
+    with torch.no_grad():
+        ref = ref_ex(h.double(), idx, w.double())
+        errs = {}
+        for impl in ("eager", name):
+            ex.config._experts_implementation = impl
+            out = ex(h, idx, w)
+            assert out.dtype == torch.bfloat16
+            d = (out.double() - ref).abs()
+            errs[impl] = {"max": d.max().item(), "mean": d.mean().item(), "rms": d.square().mean().sqrt().item()}
+    ex.config._experts_implementation = "eager"
+    ours, eager = errs[name], errs["eager"]
+    assert ours["mean"] <= eager["mean"], errs
+    assert ours["rms"] <= eager["rms"], errs
+    step = 2.0 ** (torch.frexp(ref.abs().max()).exponent.item() - 8)  # bf16 spacing at max |out|
+    assert ours["max"] <= eager["max"] + step, errs
+
+
+def outputs_per_thread_count(make, run, counts=(1, 2)):
+    threads = torch.get_num_threads()
+    try:
+        out = []
+        for n in counts:
+            torch.set_num_threads(n)
+            out.append(run(make()))
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bitwise_equal(a, b):
+    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_bitwise_identical_for_1_and_2_threads(sa, name, model):
+    """The experts of a bf16 model wide enough (hidden 512) for the dispatch and combine to split
+    their work over 2 threads, on the model's own routing: a batch, and one token (one row per
+    expert: the matrix-vector path). Then a training step of the tiny model: logits and
+    expert-weight gradients.
+
+    The expert products are torch's: oneDNN and MKL split the reduction of some product shapes
+    over threads (for every experts implementation alike; at these shapes they do not here). A
+    failure says whether eager's output differed too."""
+    m = build(model, torch.bfloat16, wide=True)
+    ex, batch = capture_experts_inputs(m, tokens(n=64, batch=3))
+    _, one = capture_experts_inputs(m, tokens(n=1, batch=1))
+
+    def infer(impl):
+        def run(_):
+            ex.config._experts_implementation = impl
+            with torch.no_grad():
+                return [ex(*batch), ex(*one)]
+        return run
+
+    a, b = outputs_per_thread_count(lambda: None, infer(name))
+    if not bitwise_equal(a, b):
+        e1, e2 = outputs_per_thread_count(lambda: None, infer("eager"))
+        pytest.fail(f"ours differs between 1 and 2 threads; eager {'too' if not bitwise_equal(e1, e2) else 'does not'}")
+
+    def train(m):
+        m.train()
+        logits = m(tokens(n=40, batch=3)).logits
+        logits.float().square().sum().backward()
+        return [logits.detach()] + [e.gate_up_proj.grad if e.has_gate else e.up_proj.grad for e in experts_modules(m)]
+
+    a, b = outputs_per_thread_count(lambda: with_impl(build(model, torch.bfloat16), name), train)
+    assert bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_greedy_generate_matches_eager(sa, name, model):
+    eager = build(model)
+    ours = with_impl(eager, name)
+    ids = tokens(n=5, batch=2)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    a = eager.generate(ids, **kw)
+    before = calls(name)
+    b = ours.generate(ids, **kw)
+    assert calls(name) - before >= 8 * len(experts_modules(ours))
+    assert a.shape == (2, 13)
+    assert torch.equal(a, b)
+
+
+def moe_block(m):
+    """The sparse MoE block that owns the first experts module."""
+    ex = experts_modules(m)[0]
+    return next(mod for mod in m.modules() if any(c is ex for c in mod.children()))
+
+
+def graph_breaks(block, x):
+    torch._dynamo.reset()
+    return torch._dynamo.explain(block)(x).graph_break_count
+
+
+@pytest.mark.parametrize("model", ["mixtral", "gpt_oss"])
+def test_torch_compile_block(sa, name, model):
+    m = build(model)
+    block = moe_block(m)
+    x = torch.randn(2, 9, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+    ex = experts_modules(m)[0]
+    ex.config._experts_implementation = "grouped_mm"
+    theirs = graph_breaks(block, x)
+    ex.config._experts_implementation = name
+    ours = graph_breaks(block, x)
+    assert ours <= theirs
+    assert ours == 0  # one graph: the grouped products are ops of their own
+    # bf16, where grouped_mm takes torch's grouped_mm kernel
+    block16 = moe_block(build(model, torch.bfloat16))
+    ex16 = experts_modules(block16)[0]
+    ex16.config._experts_implementation = "grouped_mm"
+    theirs_bf16 = graph_breaks(block16, x.bfloat16())
+    ex16.config._experts_implementation = name
+    assert graph_breaks(block16, x.bfloat16()) <= theirs_bf16
+    eager_out = block(x)
+    eager_out = eager_out[0] if isinstance(eager_out, tuple) else eager_out
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    out = compiled(x)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    # and backward through the compiled graph
+    x.requires_grad_(True)
+    out = compiled(x)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    assert ex.gate_up_proj.grad is not None and ex.gate_up_proj.grad.abs().sum() > 0
+    ex.config._experts_implementation = "eager"
+
+
+def test_expert_parallel_sentinels(sa, name):
+    """Under expert parallelism transformers passes ids >= num_experts (experts held by other ranks)
+    with zero weight: they cost no compute, add nothing, and get no gradient."""
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    e = ex.num_experts
+    idx = idx.clone()
+    idx[::3, 0] = e
+    idx[1::4, 1] = e
+    w = w.clone()
+    w[idx >= e] = 0
+    ex._is_expert_parallel = True
+    w_ours = w.clone().requires_grad_(True)
+    w_ref = w.clone().requires_grad_(True)
+    ex.config._experts_implementation = name
+    out = ex(h, idx, w_ours)
+    ex.config._experts_implementation = "grouped_mm"
+    ref = ex(h, idx, w_ref)
+    ex.config._experts_implementation = "eager"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.all(w_ours.grad[idx >= e] == 0)
+    torch.testing.assert_close(w_ours.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_experts_still_train_the_router(sa, name):
+    """Experts frozen, hidden states without grad (e.g. adapters on the router only): the products
+    run without recording, and the routing weights still get their gradient through the combine."""
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.requires_grad_(False)
+    grads = {}
+    for impl in ("eager", name):
+        ex.config._experts_implementation = impl
+        wg = w.clone().requires_grad_(True)
+        ex(h, idx, wg).square().sum().backward()
+        grads[impl] = wg.grad
+    ex.config._experts_implementation = "eager"
+    assert grads[name].abs().sum() > 0
+    torch.testing.assert_close(grads[name], grads["eager"], rtol=1e-5, atol=1e-5)
+
+
+def flag_experts(kind):
+    if kind == "no_gate":  # up_proj -> act_fn -> down_proj (NemotronH)
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+        cfg = tf.NemotronHConfig(hidden_size=32, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2)
+        ex = NemotronHExperts(cfg)
+    else:  # RMSNorm after each expert (MuseSpark)
+        from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+        from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
+        cfg = MuseSparkTextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, moe_hidden_size=32,
+                                  moe_intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)
+        ex = MuseSparkExperts(cfg)
+    randomize(ex, 4)
+    return ex
+
+
+@pytest.mark.parametrize("kind", ["no_gate", "post_expert_norm"])
+def test_decorator_flags(sa, name, kind):
+    ex = flag_experts(kind)
+    assert (not ex.has_gate) if kind == "no_gate" else ex.has_post_expert_norm
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(20, 32, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(20)])
+    w = torch.rand(20, 2, generator=g)
+    outs = {}
+    for impl in ("eager", name):
+        ex.config._experts_implementation = impl
+        x = h.clone().requires_grad_(True)
+        out = ex(x, idx, w)
+        out.square().sum().backward()
+        outs[impl] = (out.detach(), x.grad, ex.down_proj.grad.clone())
+        ex.zero_grad()
+    for a, b in zip(outs["eager"], outs[name]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("frozen_experts", [False, True])
+def test_activation_with_parameters_gets_gradients(sa, name, frozen_experts):
+    """An act_fn with trainable parameters (here a PReLU in NemotronH's ungated experts) is traced
+    by autograd instead of differentiated block by block: its parameters get their gradients,
+    also when the expert weights are frozen."""
+    ex = flag_experts("no_gate")
+    ex.act_fn = torch.nn.PReLU(init=0.3)
+    ex.up_proj.requires_grad_(not frozen_experts)
+    ex.down_proj.requires_grad_(not frozen_experts)
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(24, 32, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(24)])
+    w = torch.rand(24, 2, generator=g)
+    grads = {}
+    for impl in ("eager", name):
+        ex.config._experts_implementation = impl
+        ex.zero_grad()
+        out = ex(h, idx, w)
+        out.square().sum().backward()
+        grads[impl] = [out.detach(), ex.act_fn.weight.grad.clone()]
+        if not frozen_experts:
+            grads[impl].append(ex.up_proj.grad.clone())
+    assert grads[name][1].abs().sum() > 0
+    for a, b in zip(grads["eager"], grads[name]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_names_the_argument(sa, name):
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    f = sa.moe.experts_forward
+    bad = idx.clone()
+    bad[2, 1] = -3
+    with pytest.raises(ValueError, match=r"top_k_index.*-3"):
+        f(ex, h, bad, w)
+    with pytest.raises(ValueError, match=r"top_k_index.*shape"):
+        f(ex, h, idx[:-1], w)
+    with pytest.raises(ValueError, match=r"top_k_weights.*shape"):
+        f(ex, h, idx, w[:, :1])
+    with pytest.raises(ValueError, match=r"hidden_states.*2-D"):
+        f(ex, h[None], idx, w)
+    with pytest.raises(TypeError, match=r"top_k_index.*float"):
+        f(ex, h, idx.float(), w)
+
+
+def test_no_tokens(sa, name):
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    out = sa.moe.experts_forward(ex, h[:0], idx[:0], w[:0])
+    assert out.shape == (0, h.shape[1])
+
+
+def test_package_import_does_not_import_transformers():
+    code = ("import sys; sys.path.insert(0, 'tests/python'); from conftest import load_sa; sa = load_sa(); "
+            "assert 'transformers' not in sys.modules, 'imported'; assert callable(sa.moe.experts_forward); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
