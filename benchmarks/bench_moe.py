@@ -369,11 +369,6 @@ class MoEBench:
             print(line)
 
 
-# transformers' experts implementations: one fixed colour each (ours: the shared style's)
-MOE_METHOD_STYLE = {"eager": ("#E41A1C", "eager (the model's loop)"),
-                    "grouped_mm": ("#4DAF4A", "grouped_mm (transformers' default)"),
-                    "batched_mm": ("#984EA3", "batched_mm")}
-MODE_STYLE = {"fwd": ("-", "o", "forward (no grad)"), "fwd_bwd": ("--", "s", "forward + backward")}
 SPLIT_COLORS = {"dispatch": "#56B4E9", "experts": "#BBBBBB", "combine": "#E69F00"}
 
 
@@ -395,7 +390,7 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
         return []
 
     def color(impl):
-        return MOE_METHOD_STYLE[impl][0] if impl in MOE_METHOD_STYLE else plotting.method_color(impl)
+        return plotting.method_color(impl)
 
     blocks = list(dict.fromkeys(r["block"] for r in rows))
     has_split = any("split_ms" in r for r in rows)
@@ -438,7 +433,7 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
             for i, r in enumerate(fw):
                 bx.text(i, 101, f"{sum(r['split_ms'].values()):.{0 if sum(r['split_ms'].values()) >= 100 else 1}f} ms", ha="center", va="bottom", fontsize=7)
     leg = plotting.legend_outside(fig, [plotting.Line2D([], [], color=color(i), lw=1.3) for i in impls_seen],
-                                  [f"vs {MOE_METHOD_STYLE.get(i, (None, i))[1]}" for i in impls_seen],
+                                  [f"vs {plotting.method_label(i)}" for i in impls_seen],
                                   title="built-in (colour)", y=0.85 if has_split else 0.7, loc="upper left")
     fig.add_artist(leg)
     handles = [plotting.Line2D([], [], color="#444444", linestyle=ls, marker=m) for ls, m, _ in MODE_STYLE.values()]

@@ -43,6 +43,10 @@ METHOD_STYLE = {
     "torch_scatter": ("#CC79A7", "torch_scatter.scatter_add"),
     "np_add_at": ("#8C564B", "np.add.at"),
     "ceiling": ("#D55E00", "stream ceiling a += b"),
+    # transformers' experts implementations (benchmarks/bench_moe.py)
+    "eager": ("#E41A1C", "eager (the model's loop)"),
+    "grouped_mm": ("#4DAF4A", "grouped_mm (transformers' default)"),
+    "batched_mm": ("#984EA3", "batched_mm"),
 }
 _FALLBACK = ["#E41A1C", "#377EB8", "#4DAF4A", "#984EA3", "#FF7F00", "#A65628", "#F781BF", "#17BECF"]
 
