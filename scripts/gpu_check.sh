@@ -57,8 +57,8 @@ if has bench; then
 fi
 
 # compute-sanitizer needs a machine whose driver lets it attach (some sandboxed or virtualised
-# machines refuse it: "Device not supported" or error 999 at the first allocation). A refusal is
-# reported, not counted as a failure; an error it finds is.
+# machines refuse it). A refusal that says "Device not supported" is reported, not counted as a
+# failure; any other nonzero exit (an error it finds, or error 999 at the first allocation) is.
 if has sanitize; then
   if command -v compute-sanitizer >/dev/null; then
     for tool in memcheck initcheck; do
