@@ -77,19 +77,22 @@ fuzz: fuzz-build
 	.build/fuzz/fuzz_scatter_add -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 .build/fuzz/new tests/fuzz/corpus
 	.build/fuzz/fuzz_scatter_add -merge=1 tests/fuzz/corpus .build/fuzz/new 2>&1 | tail -n 1
 
-# CUDA: compiled for sm_80 and sm_90; the kernels' per-task code runs on the CPU against the core
-# (tests/cuda/host_sim.cu, also under ASan+UBSan); on a GPU machine, scripts/gpu_check.sh.
+# CUDA: compiled for sm_80 and sm_90 (a ptxas spill fails the build); the kernels' per-task code
+# and the C API's argument checks run on the CPU against the core (tests/cuda/host_sim.cu, also
+# under ASan+UBSan); on a GPU machine, scripts/gpu_check.sh.
 NVCC := $(shell command -v nvcc 2>/dev/null)
 cuda: deps
 ifeq ($(NVCC),)
 	@echo "cuda: nvcc not found on this machine; the CUDA sources were NOT compiled"
 else
-	cmake -S . -B .build/cuda -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF >/dev/null
+	cmake -S . -B .build/cuda -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_CUDA_WERROR=ON -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF >/dev/null
 	cmake --build .build/cuda -j $(JOBS) --target scatter_add_cuda combine_cuda_example cuda_host_sim
+	@readelf -d .build/cuda/combine_cuda_example | grep -q 'NEEDED.*libcudart\.so' || \
+	  { echo "cuda: combine_cuda_example does not link the shared CUDA runtime"; exit 1; }
 	.build/cuda/cuda_host_sim
-	cmake -S . -B .build/cuda-asan -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_SANITIZE="address;undefined" -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+	cmake -S . -B .build/cuda-asan -DSCATTER_ADD_CUDA=ON -DSCATTER_ADD_CUDA_ARCHS=90 -DSCATTER_ADD_SANITIZE="address;undefined" -DSCATTER_ADD_TESTS=OFF -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 	cmake --build .build/cuda-asan -j $(JOBS) --target cuda_host_sim
-	.build/cuda-asan/cuda_host_sim
+	.build/cuda-asan/cuda_host_sim --quick
 endif
 
 # A second torch, pip's CUDA build (no GPU needed), in its own venv with the test requirements:

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """CUDA side-by-side at the benchmark's MoE shapes (run by scripts/gpu_check.sh on a GPU machine):
-ours (int32 and int64 indices; the default check, which waits for the stream once per call to raise
-a bad index, and the no-wait SCATTER_ADD_CUDA_CHECK=trap mode) vs torch index_add_ (default, and
-under torch.use_deterministic_algorithms(True)) and vs torch.compile'd index_add, with GB/s
-against a device copy ceiling measured in the same run; then ours and index_add_ replayed from CUDA
-graphs, which leaves out the host's launch costs (ours makes about six launches per call).
+ours (int32 and int64 indices; the default check mode, which never waits for the GPU, and
+SCATTER_ADD_CUDA_CHECK=sync, which waits for the stream once per call to raise a bad index at
+once) vs torch index_add_ (default, and under torch.use_deterministic_algorithms(True)) and vs
+torch.compile'd index_add, with GB/s against a device copy ceiling measured in the same run; then
+ours and index_add_ replayed from CUDA graphs, which leaves out the host's launch costs.
 Bytes moved: K*D*s + 2*R*D*s + K*4 (as the CPU benchmark). Times are CUDA-event medians.
 
     python3 benchmarks/bench_cuda.py [--quick] [--out DIR]
     python3 benchmarks/bench_cuda.py --smoke   # tiny shapes on the CPU when torch sees no GPU:
-                                               # runs every line of the script (make test does)
+                                               # runs every line of the script (make test does) and
+                                               # prints no timings (they would mean nothing)
 """
 import argparse
 import contextlib
@@ -84,8 +85,11 @@ def graphed(fn, out):
 
 @contextlib.contextmanager
 def check_mode(value):
+    """SCATTER_ADD_CUDA_CHECK = value while the block runs (None: unset, the default mode)."""
     old = os.environ.get("SCATTER_ADD_CUDA_CHECK")
-    if value is not None:
+    if value is None:
+        os.environ.pop("SCATTER_ADD_CUDA_CHECK", None)
+    else:
         os.environ["SCATTER_ADD_CUDA_CHECK"] = value
     try:
         yield
@@ -123,8 +127,13 @@ def main():
         sys.exit("bench_cuda: torch sees no CUDA device (use --smoke for a CPU run of the script)")
     sa = load()
     ceiling = copy_ceiling_gbs((16 if args.smoke else 1024) << 20)
-    name = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (smoke run)"
-    print(f"{name} | torch {torch.__version__} | copy ceiling {ceiling:.0f} GB/s")
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "CPU"
+    if args.smoke:
+        print(f"bench_cuda SMOKE RUN on {name} (torch {torch.__version__}): tiny shapes, every method run "
+              "once and checked against a float64 reference; it shows the script works, measures nothing, "
+              "and prints no timings")
+    else:
+        print(f"{name} | torch {torch.__version__} | copy ceiling {ceiling:.0f} GB/s")
     compiled = torch.compile(lambda x, i, s: x.index_add(0, i, s), dynamic=True)
     rows = []
     ds = [64] if args.smoke else [2048] if args.quick else [2048, 4096]
@@ -157,7 +166,8 @@ def main():
                     # (function, SCATTER_ADD_CUDA_CHECK while it runs)
                     methods = {"ours": (lambda: sa.scatter_add(x, i32, src), None),
                                "ours_int64": (lambda: sa.scatter_add(x, i64, src), None),
-                               "ours_nowait": (lambda: sa.scatter_add(x, i32, src), "trap"),
+                               "ours_sync": (lambda: sa.scatter_add(x, i32, src), "sync"),
+                               "ours_trap": (lambda: sa.scatter_add(x, i32, src), "trap"),
                                "torch_index_add": (lambda: x.index_add_(0, i64, src), None),
                                "torch_index_add_deterministic": (det_torch, None),
                                "torch_compile_index_add": (lambda: compiled(x, i64, src), None),
@@ -181,19 +191,35 @@ def main():
                         m["ours_speedup"] = m["ms"] / o
                     rows.append(row)
                     ms = row["methods"]
+                    if args.smoke:
+                        print(f"smoke {row['dtype']:8} D={d} N={n} {dist:8} "
+                              + " ".join(f"{k}(err={v['max_err']:.2g}, det={v['bitwise_reproducible']})"
+                                         for k, v in ms.items()))
+                        continue
                     print(f"{row['dtype']:8} D={d:5} N={n:6} {dist:8} ours {ms['ours']['ms']:.3f} ms "
                           f"{ms['ours']['gbs']:6.0f} GB/s {ms['ours']['pct_ceiling']:5.1f}% det={ms['ours']['bitwise_reproducible']} | "
                           + " ".join(f"{k}={v['ms']:.3f}ms({v['ours_speedup']:.1f}x, det={v['bitwise_reproducible']})"
                                      for k, v in ms.items() if k != "ours"))
+    if args.smoke:
+        for row in rows:  # timings of a CPU smoke run mean nothing: not kept
+            for m in row["methods"].values():
+                for key in ("ms", "gbs", "pct_ceiling", "ours_speedup"):
+                    m.pop(key)
+        (out / "bench_cuda_smoke.json").write_text(json.dumps({"smoke": True, "rows": rows}, indent=1))
+        print(f"bench_cuda SMOKE RUN done: {len(rows)} shapes x {len(rows[0]['methods'])} methods ran")
+        return
     print(f"\nsummary (copy ceiling {ceiling:.0f} GB/s; speedup = their ms / our ms; det = bitwise reproducible)")
+    print("ours: the default check mode (never waits for the GPU); sync: SCATTER_ADD_CUDA_CHECK=sync (waits "
+          "once per call); trap: SCATTER_ADD_CUDA_CHECK=trap")
     print("graph: both sides replayed from a CUDA graph (GPU time without host launch costs)")
-    print(f"{'dtype':8} {'D':>5} {'N':>6} {'dist':8} {'ours ms':>8} {'GB/s':>6} {'%ceil':>6} {'nowait':>7} "
-          f"{'i64':>6} {'x eager':>8} {'x det':>6} {'x comp':>7} {'graph ms':>8} {'%ceil':>6} {'x eager':>8} det(ours/eager)")
+    print(f"{'dtype':8} {'D':>5} {'N':>6} {'dist':8} {'ours ms':>8} {'GB/s':>6} {'%ceil':>6} {'sync ms':>8} "
+          f"{'trap ms':>8} {'i64 ms':>7} {'x eager':>8} {'x det':>6} {'x comp':>7} {'graph ms':>8} {'%ceil':>6} "
+          f"{'x eager':>8} det(ours/eager)")
     for row in rows:
         m = row["methods"]
         print(f"{row['dtype']:8} {row['D']:5} {row['N']:6} {row['dist']:8} {m['ours']['ms']:8.3f} "
-              f"{m['ours']['gbs']:6.0f} {m['ours']['pct_ceiling']:6.1f} {m['ours_nowait']['ms']:7.3f} "
-              f"{m['ours_int64']['ms']:6.3f} {m['torch_index_add']['ours_speedup']:8.2f} "
+              f"{m['ours']['gbs']:6.0f} {m['ours']['pct_ceiling']:6.1f} {m['ours_sync']['ms']:8.3f} "
+              f"{m['ours_trap']['ms']:8.3f} {m['ours_int64']['ms']:7.3f} {m['torch_index_add']['ours_speedup']:8.2f} "
               f"{m['torch_index_add_deterministic']['ours_speedup']:6.2f} {m['torch_compile_index_add']['ours_speedup']:7.2f} "
               f"{m['ours_graph']['ms']:8.3f} {m['ours_graph']['pct_ceiling']:6.1f} "
               f"{m['torch_index_add_graph']['ms'] / m['ours_graph']['ms']:8.2f} "

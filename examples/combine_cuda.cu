@@ -1,6 +1,8 @@
 // The MoE combine step through the torch-free CUDA API (csrc/cuda/scatter_add_cuda.h): 6 tokens,
 // 4 experts x capacity 2, bf16 rows, float32 routing weights, padding slots marked -1, on a
-// stream with a workspace the caller owns. `make cuda` compiles it; it needs a GPU to run
+// stream, in memory the caller owns. A plan of the slot -> token index serves the combine and
+// the gather that dispatches the gradient back to the slots. Then what a bad index does in the
+// default (deferred) check mode and in sync mode. `make cuda` compiles it; it needs a GPU to run
 // (scripts/gpu_check.sh runs it): .build/cuda/combine_cuda_example
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -12,6 +14,7 @@
 #include "scatter_add_cuda.h"
 
 namespace sa = scatter_add;
+namespace sc = scatter_add::cuda;
 
 #define CHECK(call)                                                                  \
   do {                                                                               \
@@ -32,11 +35,12 @@ int main() {
 
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
-  __nv_bfloat16 *y, *src;
+  __nv_bfloat16 *y, *src, *grad_slots;
   int32_t* index;
   float* weight;
   CHECK(cudaMalloc(&y, tokens * hidden * sizeof(__nv_bfloat16)));
   CHECK(cudaMalloc(&src, slots * hidden * sizeof(__nv_bfloat16)));
+  CHECK(cudaMalloc(&grad_slots, slots * hidden * sizeof(__nv_bfloat16)));
   CHECK(cudaMalloc(&index, slots * sizeof(int32_t)));
   CHECK(cudaMalloc(&weight, slots * sizeof(float)));
   CHECK(cudaMemsetAsync(y, 0, tokens * hidden * sizeof(__nv_bfloat16), stream));
@@ -44,45 +48,68 @@ int main() {
   CHECK(cudaMemcpyAsync(index, slot_token.data(), slots * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   CHECK(cudaMemcpyAsync(weight, slot_weight.data(), slots * sizeof(float), cudaMemcpyHostToDevice, stream));
 
-  // One workspace, sized for this shape, reused by every call on this stream.
-  const size_t ws_bytes = sa::cuda::workspace_bytes(slots, tokens, hidden, sa::DType::bf16);
-  void* ws;
-  CHECK(cudaMalloc(&ws, ws_bytes));
   const sa::Matrix out{y, tokens, hidden, hidden, sa::DType::bf16};
   const sa::ConstMatrix in{src, slots, hidden, hidden, sa::DType::bf16};
   const sa::IndexVector idx{index, slots, sa::IndexType::i32};
+  const sa::WeightVector w{weight, slots, sa::DType::f32};
+  // One plan for the combine (index_add) and the gradient's dispatch (gather), built once.
+  void* plan_mem;
+  const size_t plan_bytes = sc::Plan::bytes(slots, tokens);
+  CHECK(cudaMalloc(&plan_mem, plan_bytes));
   try {
-    sa::cuda::index_add_rows(out, idx, in, {weight, slots, sa::DType::f32}, /*ignore_index=*/-1, ws, ws_bytes,
-                             stream);
+    const sc::Plan plan = sc::Plan::build(idx, tokens, /*ignore_index=*/-1, plan_mem, plan_bytes, stream);
+    sc::index_add_rows(out, plan, in, w, stream);
+    // d(y)/d(src) rows: grad_slots[s] = weight[s] * y[token(s)] (zero rows for empty slots).
+    sc::gather_rows({grad_slots, slots, hidden, hidden, sa::DType::bf16}, out, plan, w, stream);
   } catch (const sa::Error& e) {
     std::printf("unexpected error: %s\n", e.what());
     return 1;
   }
-  std::vector<__nv_bfloat16> host(tokens * hidden);
+  std::vector<__nv_bfloat16> host(tokens * hidden), grad(slots * hidden);
   CHECK(cudaMemcpyAsync(host.data(), y, host.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost, stream));
+  CHECK(cudaMemcpyAsync(grad.data(), grad_slots, grad.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost, stream));
   CHECK(cudaStreamSynchronize(stream));
-  // token 0 = 0.5 * 1 + 0.5 * 5 = 3; token 3 = slot 1 = 2
-  std::printf("token 0: %g, token 3: %g\n", __bfloat162float(host[0]), __bfloat162float(host[3 * hidden]));
-  if (__bfloat162float(host[0]) != 3.f || __bfloat162float(host[3 * hidden]) != 2.f) return 1;
+  // token 0 = 0.5 * 1 + 0.5 * 5 = 3; token 3 = slot 1 = 2; slot 4's gradient row = 0.5 * y[0] = 1.5
+  std::printf("token 0: %g, token 3: %g, slot 4 grad: %g, empty slot 3 grad: %g\n", __bfloat162float(host[0]),
+              __bfloat162float(host[3 * hidden]), __bfloat162float(grad[4 * hidden]), __bfloat162float(grad[3 * hidden]));
+  if (__bfloat162float(host[0]) != 3.f || __bfloat162float(host[3 * hidden]) != 2.f ||
+      __bfloat162float(grad[4 * hidden]) != 1.5f || __bfloat162float(grad[3 * hidden]) != 0.f)
+    return 1;
 
-  // A bad index is reported (the call waits for the stream once) and y is left untouched.
+  // A bad index (9 for 6 tokens) writes nothing. Deferred (the default): the call returns at once
+  // and the error comes from check_errors(true) (or from the next call after the GPU ran it).
+  const size_t ws_bytes = sc::workspace_bytes(slots, tokens);
+  void* ws;
+  CHECK(cudaMalloc(&ws, ws_bytes));
   const std::vector<int32_t> bad = {0, 3, 1, 9, 0, 2, 5, 4};
   CHECK(cudaMemcpyAsync(index, bad.data(), slots * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   try {
-    sa::cuda::index_add_rows(out, idx, in, {}, -1, ws, ws_bytes, stream);
+    sc::index_add_rows(out, idx, in, {}, -1, ws, ws_bytes, stream);
+    std::printf("the call returned without waiting\n");
+    sc::check_errors(/*wait=*/true);
     std::printf("no error for index 9\n");
     return 1;
   } catch (const sa::Error& e) {
-    std::printf("error as expected: %s\n", e.what());
+    std::printf("deferred error as expected: %s\n", e.what());
+  }
+  // sync: the call waits for its stream and throws.
+  try {
+    sc::index_add_rows(out, idx, in, {}, -1, ws, ws_bytes, stream, sc::IndexCheck::sync);
+    std::printf("no error for index 9 in sync mode\n");
+    return 1;
+  } catch (const sa::Error& e) {
+    std::printf("sync error as expected: %s\n", e.what());
   }
   std::vector<__nv_bfloat16> after(tokens * hidden);
   CHECK(cudaMemcpy(after.data(), y, after.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < after.size(); ++i)
     if (__bfloat162float(after[i]) != __bfloat162float(host[i])) return 1;
-  std::printf("y untouched after the error\n");
+  std::printf("y untouched after the errors\n");
   cudaFree(ws);
+  cudaFree(plan_mem);
   cudaFree(weight);
   cudaFree(index);
+  cudaFree(grad_slots);
   cudaFree(src);
   cudaFree(y);
   cudaStreamDestroy(stream);

@@ -515,14 +515,20 @@ struct Cpu {
 struct Cuda {
   static int32_t weight_dtype(int32_t, int32_t data) { return data == kCodes.f64 ? kCodes.f64 : kCodes.f32; }
 
-  // SCATTER_ADD_CUDA_CHECK=trap: report bad indices with a device-side trap instead of waiting for
-  // the stream (see csrc/cuda/scatter_add_cuda.h); read at every call.
-  static sa::cuda::IndexCheck index_check(const char* op) {
+  // SCATTER_ADD_CUDA_CHECK, read at every call (see csrc/cuda/scatter_add_cuda.h): how a bad index
+  // value is reported. deferred (default, also when unset or empty): the call does not wait for
+  // the GPU; the next call of this library made after the GPU ran the bad one raises IndexError and
+  // does nothing itself. sync: the call waits for its stream and raises at once (for debugging).
+  // trap: a device-side trap, a CUDA error at the next synchronisation. Called inside call_core,
+  // which names the op in the message.
+  static sa::cuda::IndexCheck index_check() {
     const char* v = std::getenv("SCATTER_ADD_CUDA_CHECK");
-    if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "host") == 0)
-      return sa::cuda::IndexCheck::host_error;
-    if (std::strcmp(v, "trap") == 0) return sa::cuda::IndexCheck::device_trap;
-    fail(Kind::value, op, "SCATTER_ADD_CUDA_CHECK must be 'host' or 'trap', got '", v, "'");
+    if (v == nullptr || std::strcmp(v, "") == 0 || std::strcmp(v, "deferred") == 0)
+      return sa::cuda::IndexCheck::deferred;
+    if (std::strcmp(v, "sync") == 0) return sa::cuda::IndexCheck::sync;
+    if (std::strcmp(v, "trap") == 0) return sa::cuda::IndexCheck::trap;
+    throw sa::Error(sa::Error::Kind::value,
+                    std::string("cuda: SCATTER_ADD_CUDA_CHECK must be 'deferred', 'sync' or 'trap', got '") + v + "'");
   }
   static cudaStream_t stream(const Info& like) {
     void* s = nullptr;
@@ -535,15 +541,15 @@ struct Cuda {
   static void add(const sa::Matrix& out, const sa::IndexVector& index, const sa::ConstMatrix& src,
                   const sa::WeightVector& weight, std::optional<int64_t> ignore_index, const Info& input) {
     const torch::stable::accelerator::DeviceGuard guard(input.device_index);
-    const auto check = index_check("scatter_add");
-    const size_t bytes = sa::cuda::workspace_bytes(index.size, out.rows, out.cols, out.dtype);
+    const auto check = index_check();
+    const size_t bytes = sa::cuda::workspace_bytes(index.size, out.rows);
     const Tensor ws = workspace(bytes, input);
     sa::cuda::index_add_rows(out, index, src, weight, ignore_index, ws.data_ptr(), bytes, stream(input), check);
   }
   static void gather(const sa::Matrix& dst, const sa::ConstMatrix& x, const sa::IndexVector& index,
                      const sa::WeightVector& weight, std::optional<int64_t> ignore_index, const Info& input) {
     const torch::stable::accelerator::DeviceGuard guard(input.device_index);
-    const auto check = index_check("gather");
+    const auto check = index_check();
     const size_t bytes = sa::cuda::gather_workspace_bytes();
     const Tensor ws = workspace(bytes, input);
     sa::cuda::gather_rows(dst, x, index, weight, ignore_index, ws.data_ptr(), bytes, stream(input), check);

@@ -2,11 +2,13 @@
 CUDA device every test here is skipped with that reason, and tests/cuda/host_sim.cu, run by
 `make cuda`, checks the kernels' code on the CPU instead).
 
-The CUDA kernels round exactly as the CPU core's FMA paths do, so most checks are bit for bit
-against the CPU ops: every dtype x index dtype x weight x ignore_index, the MoE shape, a hot row,
-strided and misaligned views; then determinism, the bad-input catalogue (same exception, message,
-input untouched), the no-wait check mode, CUDA graph capture, a side stream, autograd,
-torch.compile and offsets past 2^31 elements."""
+The CUDA kernels round exactly as the CPU core does (one sequential fma per contribution in source
+order, one rounding), so the checks are bit for bit against the CPU ops: every dtype x index dtype
+x weight x ignore_index, the MoE shape, hot rows (small and large D, small and large K), subnormal
+data, strided and misaligned views; then determinism, the bad-input catalogue (same exception,
+message, input untouched), an expanded input, the three index-check modes (deferred: no wait, the
+error at the next call; sync; trap), CUDA graph capture, a side stream, autograd, torch.compile and
+offsets past 2^31 elements."""
 import re
 import subprocess
 import sys
@@ -21,10 +23,15 @@ from test_ops import DTYPES, make_case
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: run scripts/gpu_check.sh on a GPU machine")
 
-# Every row has at most 256 contributions (longer rows are summed in pieces: test_cuda_long_runs).
 SHAPES = [(64, 128, 96, "topk"), (7, 300, 33, "random"), (1, 5, 17, "same"), (50, 0, 8, "random"),
           (300, 600, 1, "random"), (4096, 8192, 2048, "topk"),  # the MoE combine shape, top-2
-          (16, 256, 520, "same"), (2000, 4000, 64, "random")]  # 256 into one row; short runs over 256-position edges
+          (16, 256, 520, "same"), (2000, 4000, 64, "random"),
+          # hot rows (more than 64 contributions: narrow column tiles): tiny D, wide D, and K past
+          # the one-block plan (4096)
+          (4, 3000, 8, "same"), (3, 700, 2048, "same"), (16, 9000, 136, "same")]
+
+# SCATTER_ADD_CUDA_CHECK: deferred (default), sync (raise in the call), trap.
+CHECK_ENV = "SCATTER_ADD_CUDA_CHECK"
 
 
 def cuda(t):
@@ -82,9 +89,9 @@ def test_cuda_strided_and_misaligned_views(sa, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("weighted", [False, True], ids=["noweight", "weight"])
 def test_cuda_long_runs(sa, dtype, weighted):
-    """Rows of more than 256 contributions (summed in pieces, then added in order): float64
-    reference within the rounding bound, no worse than torch's own error at bf16/fp16, the other
-    rows bit for bit as on the CPU, and the same bits on every run."""
+    """Rows of thousands of contributions: bit for bit as on the CPU (hot rows are summed
+    sequentially too), within the float64 reference's rounding bound, no worse than torch's own
+    error at bf16/fp16, and the same bits on every run."""
     g = torch.Generator().manual_seed(11)
     n, k, d = 64, 20000, 520
     index = torch.randint(0, n, (k,), generator=g)
@@ -102,6 +109,7 @@ def test_cuda_long_runs(sa, dtype, weighted):
     counts = torch.bincount(index[keep], minlength=n)
     short = counts <= 256
     assert torch.equal(bits(gpu[short]), bits(cpu[short]))
+    assert torch.equal(bits(gpu), bits(cpu))  # the long rows too: one sequential sum, as on the CPU
     long_rows = (~short).nonzero().flatten()
     assert len(long_rows) >= 2
     mag = inp.double().abs().index_add(0, index[keep], contrib[keep].abs())
@@ -137,16 +145,20 @@ CUDA_ERROR_CASES = [c for c in ERROR_CASES if c[1] is not None and c[0] != "devi
 
 
 @pytest.mark.parametrize("case", CUDA_ERROR_CASES, ids=[c[0] for c in CUDA_ERROR_CASES])
-def test_cuda_error_case(sa, case):
+def test_cuda_error_case(sa, case, monkeypatch):
+    monkeypatch.setenv(CHECK_ENV, "sync")  # bad index values raise in the call, as on the CPU
     name, kw, op, exc, fragment = case
     kw = _on_cuda(kw)
-    before = bits(kw["input"])
+    tensor_input = isinstance(kw["input"], torch.Tensor)
+    before = bits(kw["input"]) if tensor_input else None
     with pytest.raises(exc, match=re.escape(fragment)):
         call(sa, op, kw)
-    assert torch.equal(bits(kw["input"]), before), f"{name}: input changed"
+    if tensor_input:
+        assert torch.equal(bits(kw["input"]), before), f"{name}: input changed"
 
 
-def test_cuda_bad_index_in_a_large_call_writes_nothing(sa):
+def test_cuda_bad_index_in_a_large_call_writes_nothing(sa, monkeypatch):
+    monkeypatch.setenv(CHECK_ENV, "sync")  # raise in the call
     inp, index, src, w = make_case(4096, 8192, 2048, torch.bfloat16, torch.int32, "cuda", seed=4, weighted=True,
                                    dup="topk")
     index[8000] = 4096
@@ -159,20 +171,129 @@ def test_cuda_bad_index_in_a_large_call_writes_nothing(sa):
         sa.gather(inp, index)
 
 
+SUBNORMAL_SCALE = {torch.float32: 2.0 ** -136, torch.bfloat16: 2.0 ** -136, torch.float16: 2.0 ** -20,
+                   torch.float64: 2.0 ** -1040}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["noweight", "weight"])
+def test_cuda_subnormals_equal_cpu_bitwise(sa, dtype, weighted):
+    """Data whose sums are subnormal in the storage type: the GPU keeps them (no flush to zero)
+    and rounds them as the CPU does, hot rows included."""
+    g = torch.Generator().manual_seed(21)
+    scale = SUBNORMAL_SCALE[dtype]
+    for n, k, d, hot in [(64, 256, 136, False), (8, 2000, 64, True)]:
+        inp = (torch.rand(n, d, generator=g, dtype=torch.float64) * 4 - 2).mul(scale).to(dtype)
+        src = (torch.rand(k, d, generator=g, dtype=torch.float64) * 4 - 2).mul(scale).to(dtype)
+        index = torch.full((k,), 3) if hot else torch.randint(0, n, (k,), generator=g)
+        w = (torch.rand(k, generator=g) * 3 - 1.5).to(torch.float64 if dtype == torch.float64 else torch.float32) \
+            if weighted else None
+        cpu = sa.index_add(inp, index, src, weight=w)
+        assert (cpu != 0).any() and (cpu.abs() < torch.finfo(dtype).tiny).any()  # subnormal results exist
+        gpu = sa.index_add(inp.cuda(), index.cuda(), src.cuda(), weight=cuda(w))
+        assert torch.equal(bits(gpu.cpu()), bits(cpu))
+        assert torch.equal(bits(sa.gather(inp.cuda(), index.cuda(), weight=cuda(w)).cpu()),
+                           bits(sa.gather(inp, index, weight=w)))
+
+
+def test_cuda_hot_row_bits_depend_only_on_its_contributions(sa):
+    """One more contribution to another row, placed first (every later source moves one sorted
+    position), leaves the hot row's bits as they were."""
+    g = torch.Generator().manual_seed(23)
+    n, k, d = 6, 3000, 72
+    index = torch.where(torch.rand(k, generator=g) < 0.8, 3, torch.randint(0, n, (k,), generator=g))
+    inp = torch.randn(n, d, generator=g).to(torch.bfloat16).cuda()
+    src = torch.randn(k, d, generator=g).to(torch.bfloat16).cuda()
+    w = torch.rand(k, generator=g).cuda()
+    base = sa.index_add(inp, index.cuda(), src, weight=w)
+    for other in (2, 4):
+        index2 = torch.cat([torch.tensor([other]), index]).cuda()
+        src2 = torch.cat([torch.randn(1, d, generator=g).to(torch.bfloat16).cuda(), src])
+        w2 = torch.cat([torch.tensor([0.5]).cuda(), w])
+        moved = sa.index_add(inp, index2, src2, weight=w2)
+        assert torch.equal(bits(moved[3]), bits(base[3]))
+        assert not torch.equal(bits(moved[other]), bits(base[other]))
+
+
+def test_cuda_expanded_input_is_refused(sa):
+    """An expanded (row stride 0) input would have warps race on the same bytes: refused, as on
+    the CPU, before anything is written."""
+    base = torch.zeros(1, 8, device="cuda")
+    x = base.expand(4, 8)
+    index = torch.tensor([0, 1, 2], device="cuda")
+    with pytest.raises(ValueError, match=r"row stride 0 is smaller than its row length 8 \(rows would alias"):
+        sa.scatter_add(x, index, torch.ones(3, 8, device="cuda"))
+    assert torch.equal(base, torch.zeros(1, 8, device="cuda"))
+
+
+def test_cuda_default_mode_does_not_wait(sa, monkeypatch):
+    """The default check never waits for the GPU: with the stream busy (a sleep kernel of about a
+    second), the call returns while the stream still runs; sync mode returns after it ran."""
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    x = torch.zeros(64, 128, device="cuda")
+    index = torch.randint(0, 64, (256,), device="cuda")
+    src = torch.randn(256, 128, device="cuda")
+    sa.scatter_add(x, index, src)  # warm-up (module load, first allocation)
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)
+    sa.scatter_add(x, index, src)
+    assert not stream.query()  # still busy: the call did not wait
+    torch.cuda.synchronize()
+    monkeypatch.setenv(CHECK_ENV, "sync")
+    torch.cuda._sleep(2_000_000_000)
+    sa.scatter_add(x, index, src)
+    assert stream.query()  # sync mode waited for the stream
+    expected = torch.zeros(64, 128, device="cuda")
+    for _ in range(3):
+        sa.scatter_add(expected, index, src)
+    assert torch.equal(x, expected)
+
+
+def test_cuda_deferred_bad_index_raises_at_the_next_call(sa, monkeypatch):
+    """Default mode: a bad index writes nothing and the call returns; once the GPU has run it, the
+    next call raises IndexError naming the position and value (and does nothing itself); the
+    call after that runs normally."""
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    inp, index, src, w = make_case(4096, 8192, 2048, torch.bfloat16, torch.int32, "cuda", seed=4, weighted=True,
+                                   dup="topk")
+    index[8000] = 4096
+    index[7000] = -3
+    before = bits(inp)
+    sa.scatter_add(inp, index, src, weight=w)  # returns: nothing reported yet
+    torch.cuda.synchronize()
+    assert torch.equal(bits(inp), before)
+    y = torch.zeros(16, 8, device="cuda")
+    with pytest.raises(IndexError, match=r"index\[7000\] = -3 is out of range for 4096 rows .*earlier"):
+        sa.scatter_add(y, torch.tensor([1, 2], device="cuda"), torch.ones(2, 8, device="cuda"))
+    assert torch.equal(y, torch.zeros(16, 8, device="cuda"))  # the reporting call did nothing
+    sa.scatter_add(y, torch.tensor([1, 2], device="cuda"), torch.ones(2, 8, device="cuda"))
+    assert y.sum().item() == 16
+    # gather too
+    sa.gather(inp, index)
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=r"index\[7000\] = -3"):
+        sa.gather(inp, torch.tensor([0, 1], device="cuda"))
+    assert torch.equal(bits(inp), before)
+
+
 def test_cuda_index_on_cpu_is_rejected(sa):
     x = torch.zeros(4, 8, device="cuda")
-    with pytest.raises(RuntimeError, match="index is on cpu but input is on cuda"):
+    with pytest.raises(ValueError, match="index is on cpu but input is on cuda"):
         sa.scatter_add(x, torch.tensor([0, 1]), torch.ones(2, 8, device="cuda"))
 
 
-def test_cuda_trap_mode_gives_the_same_bits(sa, monkeypatch):
+def test_cuda_check_modes_give_the_same_bits(sa, monkeypatch):
+    monkeypatch.delenv("SCATTER_ADD_CUDA_CHECK", raising=False)
     inp, index, src, w = make_case(512, 1024, 2048, torch.bfloat16, torch.int32, "cuda", seed=6, weighted=True,
                                    dup="topk")
     host = bits(sa.index_add(inp, index, src, weight=w))
     monkeypatch.setenv("SCATTER_ADD_CUDA_CHECK", "trap")
     assert torch.equal(bits(sa.index_add(inp, index, src, weight=w)), host)
+    monkeypatch.setenv("SCATTER_ADD_CUDA_CHECK", "sync")
+    assert torch.equal(bits(sa.index_add(inp, index, src, weight=w)), host)
     monkeypatch.setenv("SCATTER_ADD_CUDA_CHECK", "sometimes")
-    with pytest.raises(ValueError, match="SCATTER_ADD_CUDA_CHECK must be 'host' or 'trap', got 'sometimes'"):
+    with pytest.raises(ValueError, match="SCATTER_ADD_CUDA_CHECK must be 'deferred', 'sync' or 'trap', got 'sometimes'"):
         sa.index_add(inp, index, src, weight=w)
 
 
