@@ -31,13 +31,9 @@ int block_shift_for(int64_t n) {
   return shift;
 }
 
-// A sorted index: each row's contributions are one run of consecutive sources, summed in
-// registers and rounded once (any dtype, no scratch). Threads take runs by equal shares of the
-// entries (cut on run boundaries), or columns of every run when rows are wide.
-void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
-                const Options& o, int nt, bool split_columns) {
-  const int64_t k = index.size, d = out.cols;
-  const bool i64 = index.type == IndexType::i64;
+// The fields every direct walk sets: the views, the weights, ignore_index.
+DirectJob job_for(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
+                  const Options& o) {
   DirectJob job{};
   job.out = out.data;
   job.out_stride = out.row_stride;
@@ -47,6 +43,17 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   job.w = w;
   job.has_ignore = o.ignore_index.has_value();
   job.ignore = job.has_ignore ? *o.ignore_index : 0;
+  return job;
+}
+
+// A sorted index: each row's contributions are one run of consecutive sources, summed in
+// registers and rounded once (any dtype, no scratch). Threads take runs by equal shares of the
+// entries (cut on run boundaries), or columns of every run when rows are wide.
+void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
+                const Options& o, int nt, bool split_columns) {
+  const int64_t k = index.size, d = out.cols;
+  const bool i64 = index.type == IndexType::i64;
+  DirectJob job = job_for(out, index, src, w, o);
   const AddDirectFn runs = active_kernels().runs[static_cast<int>(out.dtype)][w != nullptr][i64];
   auto value = [&](int64_t i) {
     return i64 ? static_cast<const int64_t*>(index.data)[i] : static_cast<const int32_t*>(index.data)[i];
@@ -124,15 +131,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       sample(static_cast<const int32_t*>(index.data));
   }
 
-  DirectJob job{};
-  job.out = out.data;
-  job.out_stride = out.row_stride;
-  job.src = src.data;
-  job.src_stride = src.row_stride;
-  job.index = index.data;
-  job.w = w;
-  job.has_ignore = o.ignore_index.has_value();
-  job.ignore = job.has_ignore ? *o.ignore_index : 0;
+  DirectJob job = job_for(out, index, src, w, o);
   job.row_lo = 0;
   job.row_hi = n;
   job.prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
