@@ -369,6 +369,8 @@ class MoEBench:
             print(line)
 
 
+# transformers' experts implementations take their colours from plotting.METHOD_STYLE
+MODE_STYLE = {"fwd": ("-", "o", "forward (no grad)"), "fwd_bwd": ("--", "s", "forward + backward")}
 SPLIT_COLORS = {"dispatch": "#56B4E9", "experts": "#BBBBBB", "combine": "#E69F00"}
 
 
