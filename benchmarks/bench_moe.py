@@ -114,16 +114,22 @@ def eager_backward_bytes(block, tokens):
     return 3 * active * (ex.gate_up_proj.numel() + ex.down_proj.numel()) * ex.gate_up_proj.element_size()
 
 
+def experts_inputs(block, x2d):
+    """What the block hands its experts module for the rows x2d: (hidden states, top-k expert ids,
+    top-k routing weights), from the block's own routing."""
+    seen = []
+    hook = block.experts.register_forward_pre_hook(lambda mod, args: seen.append(args))
+    with torch.no_grad():
+        block(x2d[None])
+    hook.remove()
+    return seen[0]
+
+
 def reference(block, x2d):
     """The block's output in float64 for the rows x2d: the block's own bf16 routing (so that near
     ties pick the same experts), every expert product and the combine in float64."""
     ex = block.experts
-    seen = []
-    hook = ex.register_forward_pre_hook(lambda mod, args: seen.append(args))
-    with torch.no_grad():
-        block(x2d[None])
-    hook.remove()
-    h, idx, w = seen[0]
+    h, idx, w = experts_inputs(block, x2d)
     h64, w64 = h.double(), w.double()
     out = torch.zeros(h.shape, dtype=torch.float64)
     act = ex.act_fn
@@ -268,7 +274,7 @@ class MoEBench:
                     out1 = block(x2d[:n_ref][None])[0]
                 finally:
                     torch.set_num_threads(threads)
-            errors[impl] = float((out.double() - ref).abs().max())
+            errors[impl] = float((out.detach().double() - ref).abs().max())
             same_1t[impl] = bool(torch.equal(out.view(torch.int16), out1.view(torch.int16)))  # 1 vs 2 threads
         ts = self.timer({impl: call(impl) for impl in impls})
         row = {"block": bname, "label": BLOCKS[bname][0], "mode": mode, "tokens": tokens,
@@ -289,12 +295,7 @@ class MoEBench:
         """Ours' forward in three parts, each timed alone on the block's own routing."""
         moe, sa = self.sa.moe, self.sa
         ex = block.experts
-        seen = []
-        hook = ex.register_forward_pre_hook(lambda mod, args: seen.append(args))
-        with torch.no_grad():
-            block(x2d[None])
-        hook.remove()
-        h, idx, w = seen[0]
+        h, idx, w = experts_inputs(block, x2d)
         e = ex.gate_up_proj.shape[0]
         with torch.no_grad():
             token, order, offsets = moe._route(idx, e)
