@@ -274,7 +274,7 @@ class MoEBench:
                     out1 = block(x2d[:n_ref][None])[0]
                 finally:
                     torch.set_num_threads(threads)
-            errors[impl] = float((out.detach().double() - ref).abs().max())
+            errors[impl] = float((out.double() - ref).detach().abs().max())
             same_1t[impl] = bool(torch.equal(out.view(torch.int16), out1.view(torch.int16)))  # 1 vs 2 threads
         ts = self.timer({impl: call(impl) for impl in impls})
         row = {"block": bname, "label": BLOCKS[bname][0], "mode": mode, "tokens": tokens,
