@@ -151,6 +151,11 @@ double estimate_ns(const AddShape& s, Strategy strategy) {
          2.0 * r * rb * P::kNsPerByteStream;
 }
 
+bool direct_row_split_pays(const AddShape& s, int nt) {
+  const double per_entry = estimate_ns(s, Strategy::direct) / static_cast<double>(std::max<int64_t>(s.k, 1));
+  return (per_entry - P::kDirectNsPerEntry) * (nt - 1) > P::kRowSplitSkipNs;
+}
+
 Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {
   if (static_cast<unsigned>(o.strategy) > 3u)
     throw Error(Error::Kind::value, "options.strategy has an unknown code " +

@@ -59,6 +59,12 @@ struct CpuPolicy {
   // Direct with several threads: split columns when each thread gets at least this many bytes
   // of every row (whole cache lines, and a balanced split whatever the index), rows otherwise.
   static constexpr int64_t kMinColumnShareBytes = 128;
+  // Direct, rows too narrow for that: a row split costs each thread this much per mispredicted
+  // skip of another thread's entry. Measured with 1 and 2 threads (wall time, idle 2-core Xeon),
+  // where every thread walks the whole index: N = 100k, K = 1M, D = 1 float32 took 2.3-2.4 ms on
+  // one thread and 7.8-8.7 ms on two (about 5.5 ns more per entry, half of them mispredicted);
+  // N = 10k, K = 10k, D = 8 float32 36-57 us and 94-96 us.
+  static constexpr double kRowSplitSkipNs = 11.0;
   // The direct walk prefetches destination rows ahead only when out is larger than this (a
   // cache-resident out gains nothing and the prefetch costs a third of a D = 1 walk).
   static constexpr int64_t kPrefetchAboveBytes = 1 << 20;

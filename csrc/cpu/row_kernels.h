@@ -27,6 +27,11 @@ namespace scatter_add {
 namespace cpu {
 namespace {
 
+// A row another thread owns (outside [lo, lo + span)) is not prefetched: a prefetch for writing
+// would pull that thread's line away from it on every entry. Its own first row stands in (a select,
+// no branch).
+inline uint64_t own_row(uint64_t row, uint64_t lo, uint64_t span) { return row - lo < span ? row : lo; }
+
 inline void prefetch_at(const void* base, uint64_t row, uint64_t row_bytes, int rw = 0) {
   // Unsigned arithmetic: an ignored index (any value) must not make the address computation UB.
   const uintptr_t p = reinterpret_cast<uintptr_t>(base) + row * row_bytes;
@@ -234,7 +239,7 @@ struct RowKernels {
     const int64_t ign = j.ignore;
     const int64_t pf_end = i1 - kPrefetchAhead;
     for (int64_t i = i0; i < i1; ++i) {
-      if (Prefetch && i < pf_end) prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
+      if (Prefetch && i < pf_end) prefetch_at(out, own_row(static_cast<uint64_t>(idx[i + kPrefetchAhead]), lo, span), ob, 1);
       const int64_t r = static_cast<int64_t>(idx[i]);
       if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == ign)) continue;
       T* o = out + r * os;
@@ -364,10 +369,11 @@ struct RowKernels {
     const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(j.ignore) - lo < span;
     for (int64_t i = i0; i < i1; ++i) {
       if (j.prefetch && i + kPrefetchAhead < i1) {  // dense: the slot is where the add goes
+        const uint64_t pr = own_row(static_cast<uint64_t>(idx[i + kPrefetchAhead]), lo, span);
         if (Dense)
-          prefetch_at(acc, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ab, 1);
+          prefetch_at(acc, pr, ab, 1);
         else
-          prefetch_at(out, static_cast<uint64_t>(idx[i + kPrefetchAhead]), ob, 1);
+          prefetch_at(out, pr, ob, 1);
       }
       const int64_t r = static_cast<int64_t>(idx[i]);
       if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == j.ignore)) continue;

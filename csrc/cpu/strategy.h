@@ -31,6 +31,12 @@ Strategy choose_add(const AddShape& s, const Options& o, bool sorted = false);
 // Estimated nanoseconds of each strategy for the shape, single thread (for the benchmark's
 // report and the tests of the chooser).
 double estimate_ns(const AddShape& s, Strategy strategy);
+// Whether the direct walk of an unsorted index, with rows too narrow to split by columns, gives
+// each of nt threads a range of rows (else one thread walks alone). A row split has every thread
+// walk the whole index and skip the other threads' entries, a branch that a spread index
+// mispredicts about 1 / nt of the time: it pays only when the work per entry that it divides
+// (estimate_ns less the walk itself), W, outweighs that: W (nt - 1) > kRowSplitSkipNs.
+bool direct_row_split_pays(const AddShape& s, int nt);
 // Which sort a plan of k entries into n rows uses by cost.
 bool plan_prefers_radix(int64_t n, int64_t k);
 

@@ -9,8 +9,9 @@
 //     consecutive sources, summed in registers like a planned row and rounded once, with no sort
 //     and no scratch.
 // Threads: each thread owns a range of columns of every row (when rows are wide enough for whole
-// cache lines per thread) or a range of rows, cut where the index's per-block counts balance the
-// work; either way each output element has one owner and one summation order.
+// cache lines per thread) or, when the rows' work outweighs every thread walking the whole index,
+// a range of rows, cut where the index's per-block counts balance the work; either way each output
+// element has one owner and one summation order. Otherwise one thread walks alone.
 #include <algorithm>
 #include <vector>
 
@@ -93,9 +94,10 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
 
   // Threads and the split, decided before the index pass so that it counts what the split needs.
   const double bytes = static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es) * 3.0;
-  const int nt = d == 0 ? 1 : threads_for(o, bytes);
+  int nt = d == 0 ? 1 : threads_for(o, bytes);
   const bool split_columns = nt > 1 && d * static_cast<int64_t>(es) >= nt * CpuPolicy::kMinColumnShareBytes;
-  const bool split_rows = nt > 1 && !split_columns;
+  const bool split_rows = nt > 1 && !split_columns && !first.sorted && direct_row_split_pays({n, k, d, out.dtype}, nt);
+  if (nt > 1 && !split_columns && !split_rows && !first.sorted) nt = 1;  // one thread walks alone
   const int shift = block_shift_for(n);
 
   if (d == 0 || first.kept == 0) return;

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "strategy.h"
 #include "test_util.h"
 
 namespace {
@@ -142,6 +143,41 @@ TEST(Strategies, EveryStrategyAndThreadCountGivesTheContractBits) {
                 }
               }
           }
+}
+
+// The direct walk's row split (each thread a range of rows, every thread walking the whole index)
+// runs only where the work per entry pays for the skipped entries: shapes where it does, at three
+// threads, against the reference.
+TEST(Strategies, DirectRowSplitGivesTheContractBits) {
+  uint64_t seed = 300;
+  for (DType t : kDtypes)
+    for (Pattern p : {Pattern::uniform, Pattern::zipf})
+      for (bool weighted : {false, true}) {
+        const int64_t n = 60000, k = 20000, d = 16;
+        ASSERT_TRUE(sa::cpu::direct_row_split_pays({n, k, d, t}, 3)) << sa::dtype_name(t);
+        std::mt19937_64 rng(seed++);
+        const Buf out0 = special_buf(t, static_cast<size_t>(n * d), rng);
+        const Buf src = special_buf(t, static_cast<size_t>(k * d), rng);
+        std::vector<int64_t> iv = make_indices(p, n, k, rng);
+        for (int64_t i = 0; i < k; i += 7) iv[static_cast<size_t>(i)] = -1;
+        const Idx idx = make_idx(IndexType::i32, iv);
+        const std::vector<float> w = special_weights(k, rng);
+        Buf want = out0;
+        reference_add(want, n, d, d, src, d, iv, weighted ? w.data() : nullptr, int64_t(-1));
+        for (int threads : {1, 3}) {
+          Buf out = out0;
+          sa::Options opt;
+          opt.strategy = sa::Strategy::direct;
+          opt.num_threads = threads;
+          opt.ignore_index = -1;
+          sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d),
+                             {weighted ? w.data() : nullptr, k, DType::f32}, opt);
+          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (weighted ? " weighted" : "")
+                                           << " threads=" << threads;
+        }
+      }
+  // One column of a small table: not worth it; one thread walks.
+  EXPECT_FALSE(sa::cpu::direct_row_split_pays({100000, 1000000, 1, DType::f32}, 2));
 }
 
 // A sorted index whose ignored entries sit at its ends (padding before the first row and a
