@@ -566,6 +566,14 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("index_add(Tensor input, Tensor index, Tensor src, Tensor? weight=None, "
         "int? ignore_index=None) -> Tensor");
   m.def("gather(Tensor input, Tensor index, Tensor? weight=None, int? ignore_index=None) -> Tensor");
+  // The same kernels under ops with nothing registered above the backend (no autograd, in-place or
+  // batching kernels): the Python API calls these when a call has nothing to record, skipping the
+  // dispatch-key guard the ops above would need (about 0.75 us of a 3-4 us tiny call).
+  m.def("scatter_add_plain_(Tensor(a!) input, Tensor index, Tensor src, Tensor? weight=None, "
+        "int? ignore_index=None) -> ()");
+  m.def("index_add_plain(Tensor input, Tensor index, Tensor src, Tensor? weight=None, "
+        "int? ignore_index=None) -> Tensor");
+  m.def("gather_plain(Tensor input, Tensor index, Tensor? weight=None, int? ignore_index=None) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -573,6 +581,9 @@ STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("scatter_add_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
   m.impl("index_add", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
   m.impl("gather", TORCH_BOX(&scatter_add_torch::gather_op<B>));
+  m.impl("scatter_add_plain_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
+  m.impl("index_add_plain", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
+  m.impl("gather_plain", TORCH_BOX(&scatter_add_torch::gather_op<B>));
 }
 
 #if defined(SA_WITH_CUDA)
@@ -581,6 +592,9 @@ STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) {
   m.impl("scatter_add_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
   m.impl("index_add", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
   m.impl("gather", TORCH_BOX(&scatter_add_torch::gather_op<B>));
+  m.impl("scatter_add_plain_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
+  m.impl("index_add_plain", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
+  m.impl("gather_plain", TORCH_BOX(&scatter_add_torch::gather_op<B>));
 }
 #endif
 

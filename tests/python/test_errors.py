@@ -302,7 +302,8 @@ class _KernelRaises(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self, sa, error):
         super().__init__()
-        self.ours = {sa.ops.scatter_add_.default, sa.ops.index_add.default, sa.ops.gather.default}
+        self.ours = {sa.ops.scatter_add_.default, sa.ops.index_add.default, sa.ops.gather.default,
+                     sa.ops.scatter_add_plain_.default, sa.ops.index_add_plain.default, sa.ops.gather_plain.default}
         self.error = error
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -17,10 +17,24 @@ from ._ops import ops
 _scatter_add_ = ops.scatter_add_.default
 _index_add = ops.index_add.default
 _gather = ops.gather.default
-# The same ops without OpOverload's Python frame, for the eager fast paths below.
-_scatter_add_eager = getattr(_scatter_add_, "_op", _scatter_add_)
-_index_add_eager = getattr(_index_add, "_op", _index_add)
-_gather_eager = getattr(_gather, "_op", _gather)
+
+
+def _eager(overload):
+    """The op without OpOverload's Python frame, for the eager fast paths below."""
+    return getattr(overload, "_op", overload)
+
+
+# Under a functorch transform (vmap, grad, ...): the ops below their autograd kernels, which keeps
+# their batching rules.
+_scatter_add_eager = _eager(_scatter_add_)
+_index_add_eager = _eager(_index_add)
+_gather_eager = _eager(_gather)
+# Otherwise: the plain twins, the same kernels with nothing registered above the backend, so
+# that a call with nothing to record needs no dispatch-key guard.
+_scatter_add_plain = _eager(ops.scatter_add_plain_.default)
+_index_add_plain = _eager(ops.index_add_plain.default)
+_gather_plain = _eager(ops.gather_plain.default)
+_functorch_active = torch._C._are_functorch_transforms_active
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -89,8 +103,11 @@ def scatter_add(
         else:
             # Those kernels inlined: nothing to record or check for a normal tensor, and the
             # version bump here costs a fraction of a Python kernel's dispatch.
-            with _BelowADInplaceOrView():
-                _scatter_add_eager(input, index, src, weight, ignore_index)
+            if _functorch_active():
+                with _BelowADInplaceOrView():
+                    _scatter_add_eager(input, index, src, weight, ignore_index)
+            else:
+                _scatter_add_plain(input, index, src, weight, ignore_index)
             _increment_version((input,))
     except Exception as e:
         _raise("scatter_add", e, input, index, src, weight)
@@ -115,8 +132,10 @@ def index_add(
         if _compiling() or forward_ad_active() or (
                 _grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))):
             return _index_add(input, index, src, weight, ignore_index)  # through the op's Autograd kernel
-        with _BelowAutograd():  # nothing to differentiate: straight to the kernel
-            return _index_add_eager(input, index, src, weight, ignore_index)
+        if _functorch_active():
+            with _BelowAutograd():  # nothing to differentiate: straight to the batching rule
+                return _index_add_eager(input, index, src, weight, ignore_index)
+        return _index_add_plain(input, index, src, weight, ignore_index)  # nothing to differentiate
     except Exception as e:
         _raise("index_add", e, input, index, src, weight)
 
@@ -137,7 +156,9 @@ def gather(
         if _compiling() or forward_ad_active() or (
                 _grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))):
             return _gather(input, index, weight, ignore_index)
-        with _BelowAutograd():
-            return _gather_eager(input, index, weight, ignore_index)
+        if _functorch_active():
+            with _BelowAutograd():
+                return _gather_eager(input, index, weight, ignore_index)
+        return _gather_plain(input, index, weight, ignore_index)
     except Exception as e:
         _raise("gather", e, input, index, _NO_SRC, weight)
