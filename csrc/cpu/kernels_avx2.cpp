@@ -83,9 +83,20 @@ struct Avx2F16 : Avx2F32 {
   static vec load(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // VCVTPS2PH keeps NaN payloads; NaN lanes become the canonical sign | 0x7E00, as the scalar
+  // level (and c10::Half) give.
   static void store(uint16_t* p, vec v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    if (_mm256_movemask_ps(nan) != 0) {
+      const __m256i c = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 16), _mm256_set1_epi32(0x8000)),
+          _mm256_set1_epi32(0x7E00));
+      const __m256i m = _mm256_castps_si256(nan);
+      h = _mm_blendv_epi8(h, _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)),
+                          _mm_packs_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1)));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
   static vec load_part(const uint16_t* p, int64_t m) { return PartByCopy<Avx2F16>::load_part(p, m); }
   static void store_part(uint16_t* p, vec v, int64_t m) { PartByCopy<Avx2F16>::store_part(p, v, m); }

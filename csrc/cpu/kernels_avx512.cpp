@@ -99,7 +99,17 @@ struct Avx512BF16 : Avx512F32 {
 struct Avx512F16 : Avx512F32 {
   using storage = uint16_t;
   using elem = ElemF16;
-  static __m256i narrow(vec v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // VCVTPS2PH keeps NaN payloads; NaN lanes become the canonical sign | 0x7E00, as the scalar
+  // level (and c10::Half) give.
+  static __m256i narrow(vec v) {
+    __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan != 0) {
+      const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), _mm512_set1_epi32(0x8000));
+      h = _mm256_mask_mov_epi16(h, nan, _mm512_cvtepi32_epi16(_mm512_or_si512(sign, _mm512_set1_epi32(0x7E00))));
+    }
+    return h;
+  }
   static vec load(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }

@@ -350,10 +350,40 @@ struct RowKernels {
 
   template <class I, bool Weighted>
   static void scratch_add(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
-    if (j.slot_base == nullptr)
+    if (j.slot_base == nullptr && c1 - c0 == 1 && !j.prefetch)
+      scratch_add_column<I, Weighted>(j, i0, i1, c0);
+    else if (j.slot_base == nullptr)
       scratch_add_loop<I, Weighted, true>(j, i0, i1, c0, c1);
     else
       scratch_add_loop<I, Weighted, false>(j, i0, i1, c0, c1);
+  }
+  // Dense, one column, a cached scratch: the general loop's byte mark may alias every field of the
+  // job, which the compiler then reloads per entry; here the fields live in registers (N = 10k,
+  // K = 1M, D = 1 bf16, marking: 2.3-4.0 ms -> 1.4-2.3 ms, one thread).
+  template <class I, bool Weighted>
+  static void scratch_add_column(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0) {
+    const I* __restrict idx = static_cast<const I*>(j.index);
+    const T* __restrict src = static_cast<const T*>(j.src) + c0;
+    A* __restrict acc = static_cast<A*>(j.scratch);
+    const A* __restrict w = static_cast<const A*>(j.w);
+    uint8_t* __restrict mark = j.mark_rows;
+    const int64_t ss = j.src_stride, as = j.scratch_stride;
+    const uint64_t lo = static_cast<uint64_t>(j.row_lo), span = static_cast<uint64_t>(j.row_hi - j.row_lo);
+    const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(j.ignore) - lo < span;
+    const int64_t ign = j.ignore;
+    auto walk = [&](auto marking) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = static_cast<int64_t>(idx[i]);
+        if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == ign)) continue;
+        if (decltype(marking)::value) mark[r] = 1;
+        A& o = acc[r * as];
+        o = step1<Weighted>(o, E::get(src[i * ss]), Weighted ? w[i] : A(1));
+      }
+    };
+    if (mark != nullptr)
+      walk(std::true_type{});
+    else
+      walk(std::false_type{});
   }
   // Dense: every row has a scratch slot, slot = row. Otherwise only the rows in slot_bits do.
   template <class I, bool Weighted, bool Dense>

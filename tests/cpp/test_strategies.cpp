@@ -180,6 +180,45 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   EXPECT_FALSE(sa::cpu::direct_row_split_pays({100000, 1000000, 1, DType::f32}, 2));
 }
 
+// bf16/fp16 rows pass through a float32 scratch, and the way back makes every NaN the canonical
+// one: untouched rows holding other NaN payloads (signalling, negative, with payload bits) must
+// keep their bits, touched ones get the contract's rounding. Dense and sparse scratch, one column
+// and rows wide enough for threads to split them by columns.
+TEST(Strategies, NaNPayloadsOfUntouchedRowsKeepTheirBits) {
+  uint64_t seed = 700;
+  struct Shape {
+    int64_t n, k, d;
+  };
+  for (DType t : {DType::bf16, DType::f16}) {
+    const std::vector<uint16_t> nans = t == DType::bf16 ? std::vector<uint16_t>{0x7F81, 0xFFC1, 0x7FC0, 0xFFFF}
+                                                        : std::vector<uint16_t>{0x7C01, 0xFE01, 0x7E00, 0xFFFF};
+    for (Shape sh : {Shape{64, 300, 1}, Shape{64, 300, 2}, Shape{64, 300, 300}, Shape{4000, 300, 3}})
+      for (sa::Strategy st : kStrategies)
+        for (int threads : {1, 2}) {
+          std::mt19937_64 rng(seed++);
+          Buf out0 = special_buf(t, static_cast<size_t>(sh.n * sh.d), rng);
+          uint16_t* bits = reinterpret_cast<uint16_t*>(out0.data());
+          for (int64_t r = 0; r < sh.n; r += 3)  // NaNs in touched rows (below n / 2) and untouched ones
+            bits[r * sh.d + r % sh.d] = nans[static_cast<size_t>(r / 3) % nans.size()];
+          const Buf src = special_buf(t, static_cast<size_t>(sh.k * sh.d), rng);
+          const std::vector<int64_t> iv = make_indices(Pattern::uniform, sh.n / 2, sh.k, rng);
+          const Idx idx = make_idx(IndexType::i32, iv);
+          Buf want = out0;
+          reference_add(want, sh.n, sh.d, sh.d, src, sh.d, iv, nullptr, std::nullopt);
+          Buf out = out0;
+          sa::Options opt;
+          opt.strategy = st;
+          opt.num_threads = threads;
+          sa::index_add_rows(mat(out, sh.n, sh.d, sh.d), idx.view(), cmat(src, sh.k, sh.d, sh.d), {}, opt);
+          for (size_t e = 0; e < out.size(); ++e)
+            ASSERT_EQ(reinterpret_cast<const uint16_t*>(out.data())[e], reinterpret_cast<const uint16_t*>(want.data())[e])
+                << sa::dtype_name(t) << " N=" << sh.n << " K=" << sh.k << " D=" << sh.d
+                << " strategy=" << sa::strategy_name(st) << " threads=" << threads << " element " << e
+                << " (row " << static_cast<int64_t>(e) / sh.d << ")";
+        }
+  }
+}
+
 // A sorted index whose ignored entries sit at its ends (padding before the first row and a
 // sentinel after the last) is still a sorted index: the runs walk must skip them.
 TEST(Strategies, SortedIndexWithIgnoredEndsGivesTheContractBits) {
