@@ -168,7 +168,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       slots = 0;
       for (size_t i = 0; i < bits.size(); ++i) {
         slot_base[i] = slots;
-        slots += __builtin_popcountll(bits[i]);
+        slots += popcount64(bits[i]);
       }
     }
     job.scratch_stride = d;

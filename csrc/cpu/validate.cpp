@@ -192,14 +192,16 @@ cpu::IndexScan scan(const I* idx, int64_t k, int64_t n, std::optional<int64_t> i
     if (seen != nullptr) {
       uint64_t& word = seen[v >> 6];
       const uint64_t m = uint64_t(1) << (v & 63);
-      if (repeated != nullptr && (word & m)) repeated[v >> 6] |= m;
+      // No branch on "met before": a power-law index repeats rows at random, which a branch
+      // mispredicts.
+      if (repeated != nullptr) repeated[v >> 6] |= word & m;
       word |= m;
     }
     if (block_counts != nullptr) ++block_counts[v >> shift];
   }
   s.kept = k - ignored;
   if (repeated != nullptr)
-    for (int64_t w = 0; w < (n + 63) / 64; ++w) s.repeated += __builtin_popcountll(repeated[w]);
+    for (int64_t w = 0; w < (n + 63) / 64; ++w) s.repeated += cpu::popcount64(repeated[w]);
   return s;
 }
 
