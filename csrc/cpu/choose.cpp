@@ -152,8 +152,11 @@ double estimate_ns(const AddShape& s, Strategy strategy) {
 }
 
 bool direct_row_split_pays(const AddShape& s, int nt) {
+  // Neither the walk nor the source stream divides: the prefetchers stream every source row into
+  // each thread, its own or not.
   const double per_entry = estimate_ns(s, Strategy::direct) / static_cast<double>(std::max<int64_t>(s.k, 1));
-  return (per_entry - P::kDirectNsPerEntry) * (nt - 1) > P::kRowSplitSkipNs;
+  const double src = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * P::kNsPerByteStream;
+  return (per_entry - P::kDirectNsPerEntry - src) * (nt - 1) > P::kRowSplitSkipNs;
 }
 
 Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {

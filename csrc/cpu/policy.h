@@ -58,7 +58,7 @@ struct CpuPolicy {
 
   // Direct with several threads: split columns when each thread gets at least this many bytes
   // of every row (whole cache lines, and a balanced split whatever the index), rows otherwise.
-  static constexpr int64_t kMinColumnShareBytes = 128;
+  static constexpr int64_t kMinColumnShareBytes = 512;
   // Direct, rows too narrow for that: a row split costs each thread this much per mispredicted
   // skip of another thread's entry. Measured with 1 and 2 threads (wall time, idle 2-core Xeon),
   // where every thread walks the whole index: N = 100k, K = 1M, D = 1 float32 took 2.3-2.4 ms on

@@ -35,7 +35,8 @@ double estimate_ns(const AddShape& s, Strategy strategy);
 // each of nt threads a range of rows (else one thread walks alone). A row split has every thread
 // walk the whole index and skip the other threads' entries, a branch that a spread index
 // mispredicts about 1 / nt of the time: it pays only when the work per entry that it divides
-// (estimate_ns less the walk itself), W, outweighs that: W (nt - 1) > kRowSplitSkipNs.
+// (estimate_ns less the walk itself and the source stream), W, outweighs that:
+// W (nt - 1) > kRowSplitSkipNs.
 bool direct_row_split_pays(const AddShape& s, int nt);
 // Which sort a plan of k entries into n rows uses by cost.
 bool plan_prefers_radix(int64_t n, int64_t k);
