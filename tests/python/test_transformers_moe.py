@@ -321,6 +321,34 @@ def test_expert_parallel_sentinels(sa, name):
     torch.testing.assert_close(w_ours.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("which", ["some", "all"])
+def test_expert_parallel_sentinels_without_grad(sa, name, which):
+    """The inference loop (no autograd) with sentinel ids: rows of other ranks' experts add
+    nothing; when every id is a sentinel there are no rows to compute and the output is zero."""
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    e = ex.num_experts
+    idx = idx.clone()
+    if which == "all":
+        idx[:] = e
+    else:
+        idx[::3, 0] = e
+        idx[1::4, 1] = e
+    w = w.clone()
+    w[idx >= e] = 0
+    ex._is_expert_parallel = True
+    with torch.no_grad():
+        ex.config._experts_implementation = name
+        out = ex(h, idx, w)
+        ex.config._experts_implementation = "grouped_mm"
+        ref = ex(h, idx, w)
+    ex.config._experts_implementation = "eager"
+    ex._is_expert_parallel = False
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if which == "all":
+        assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_frozen_experts_still_train_the_router(sa, name):
     """Experts frozen, hidden states without grad (e.g. adapters on the router only): the products
     run without recording, and the routing weights still get their gradient through the combine."""

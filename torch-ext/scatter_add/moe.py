@@ -57,20 +57,21 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     """x @ W_e (+ b_e) for one block x [m, in]: written into `out` (rows of a contiguous tensor),
     or returned (a transposed view when swapped).
 
-    swap: a block of at most _SWAP_MAX_ROWS rows with [E, out, in] weights (most models) is
-    multiplied as (W_e @ x.T).T. The weight is then the left operand, which oneDNN's AMX kernels
-    read as it lies, where x @ W_e.T first repacks the whole weight into the right operand's
-    layout, on every call. Measured on the expert loops of Mixtral (hidden 1024, intermediate
-    3584) and Qwen3-MoE (1024, 384, 128 experts), one thread: 1.2-1.5x faster at 4 to 64 rows
-    per block, even at 128-256, 0.85-0.9x at 512 (the transposed result's copy then costs more
-    than the repacking saves). The gate reads the transposed layout as fast. The training path
-    does not swap: its backward would pay transposing copies. One row: a matrix-vector product
-    (about 1.7x faster than a one-row matrix product here)."""
+    swap: a block of at most min(_SWAP_MAX_ROWS, in / 16) rows with [E, out, in] weights (most
+    models) is multiplied as (W_e @ x.T).T. The weight is then the left operand, which oneDNN's
+    AMX kernels read as it lies, where x @ W_e.T first repacks the whole weight into the right
+    operand's layout, on every call; the price is a copy of the transposed result, m * out, which
+    outgrows the repacking (out * in) at about m = in / 16. Measured per product (plain time over
+    swapped, one thread): Mixtral's up (in 1024) 1.2-1.4x at 2 to 64 rows, down (in 3584)
+    1.2-1.8x up to 128; Qwen3-MoE's up (in 1024) 1.3-1.75x at 2 to 16 rows, 1.03x at 64, 0.89x at
+    128, down (in 384) 1.2-1.5x at 2 to 8 rows, 0.6-0.7x from 32. The training path does not
+    swap: its backward would pay transposing copies. One row: a matrix-vector product (about
+    1.7x faster than a one-row matrix product here)."""
     w = weight[e]
     if x.shape[0] == 1:
         mat = w.t() if transposed else w
         y = (torch.mv(mat, x[0]) if bias is None else torch.addmv(bias[e], mat, x[0]))[None]
-    elif transposed or not swap or x.shape[0] > _SWAP_MAX_ROWS:
+    elif transposed or not swap or x.shape[0] > min(_SWAP_MAX_ROWS, x.shape[1] // 16):
         w = w if transposed else w.t()
         if out is not None:
             return torch.mm(x, w, out=out) if bias is None else torch.addmm(bias[e], x, w, out=out)
@@ -142,13 +143,19 @@ def _unwritten_zero(grad_x, blocks):
 
 
 def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate):
-    """ys [S, out] without autograd. Rows past the last block (sentinels) are zero."""
+    """ys [S, out] without autograd. Rows past the last block (sentinels) are zero. The gate runs
+    once over every block's rows (one call instead of one per expert: with 128 experts of a few
+    rows each, its per-call overhead outweighed the products)."""
     ys = xs.new_empty(xs.shape[0], _out_features(w_out, transposed))
-    end = 0
-    for e, start, end in _blocks(offsets):
-        h = _linear(xs[start:end], w_in, e, b_in, transposed)
-        _linear(gate(h), w_out, e, b_out, transposed, out=ys[start:end])
-    ys[end:].zero_()
+    blocks = list(_blocks(offsets))
+    rows = blocks[-1][2] if blocks else 0
+    hs = xs.new_empty(rows, _out_features(w_in, transposed))
+    for e, start, end in blocks:
+        _linear(xs[start:end], w_in, e, b_in, transposed, out=hs[start:end])
+    a = gate(hs)
+    for e, start, end in blocks:
+        _linear(a[start:end], w_out, e, b_out, transposed, out=ys[start:end])
+    ys[rows:].zero_()
     return ys
 
 
