@@ -191,3 +191,38 @@ def test_inference_tensor_with_src_requiring_grad_is_untouched(sa):
             with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
                 fn()
             assert torch.equal(x, torch.zeros(4, 3))
+
+
+def test_traced_graphs_keep_autograd_and_the_version_bump(sa):
+    """make_fx and torch.jit.trace of calls whose inputs need no grad record the ops that keep
+    their autograd and in-place kernels: a replayed graph still differentiates, bumps the version
+    counter and so lets autograd catch a saved tensor modified in place."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    n, k, d = 5, 7, 3
+    x, idx, src = torch.randn(n, d), torch.tensor([0, 2, 2, 4, 1, 0, 3]), torch.randn(k, d)
+
+    def update(a, i, s):
+        sa.scatter_add(a, i, s)
+        return a
+
+    g = make_fx(update)(x.clone(), idx, src)
+    a = torch.randn(n, d, requires_grad=True)
+    b = a.exp()  # exp saves its output for backward
+    before = b._version
+    with torch.no_grad():
+        g(b, idx, src)
+    assert b._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        b.sum().backward()
+
+    s = src.clone().requires_grad_(True)
+    h = make_fx(lambda a, i, s: sa.index_add(a, i, s))(x, idx, src)
+    h(x, idx, s).sum().backward()
+    assert s.grad is not None and torch.equal(s.grad, torch.ones_like(src))
+
+    w = torch.rand(k)
+    gx = x.clone().requires_grad_(True)
+    tr = torch.jit.trace(lambda a, i, w: sa.gather(a, i, weight=w), (x, idx, w))
+    tr(gx, idx, w).sum().backward()
+    assert gx.grad is not None and torch.allclose(gx.grad, torch.zeros(n, d).index_add_(0, idx, w[:, None].expand(k, d)))

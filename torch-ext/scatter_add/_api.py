@@ -24,8 +24,8 @@ def _eager(overload):
     return getattr(overload, "_op", overload)
 
 
-# Under a functorch transform (vmap, grad, ...): the ops below their autograd kernels, which keeps
-# their batching rules.
+# Under a functorch transform (vmap, grad, ...), a dispatch mode or torch.jit.trace: the ops below
+# their autograd kernels, which keeps their batching rules and what a tracer records.
 _scatter_add_eager = _eager(_scatter_add_)
 _index_add_eager = _eager(_index_add)
 _gather_eager = _eager(_gather)
@@ -35,6 +35,15 @@ _scatter_add_plain = _eager(ops.scatter_add_plain_.default)
 _index_add_plain = _eager(ops.index_add_plain.default)
 _gather_plain = _eager(ops.gather_plain.default)
 _functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_jit_tracing = torch._C._get_tracing_state
+
+
+def _plain_ok() -> bool:
+    """Whether a call with nothing to record may take the plain twins: not under a functorch
+    transform (their batching rules), a dispatch mode (make_fx and other tracers would record the
+    twin, and a replayed graph would lose the autograd and in-place kernels) or torch.jit.trace."""
+    return not _functorch_active() and not _dispatch_modes() and _jit_tracing() is None
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -103,11 +112,11 @@ def scatter_add(
         else:
             # Those kernels inlined: nothing to record or check for a normal tensor, and the
             # version bump here costs a fraction of a Python kernel's dispatch.
-            if _functorch_active():
+            if _plain_ok():
+                _scatter_add_plain(input, index, src, weight, ignore_index)
+            else:
                 with _BelowADInplaceOrView():
                     _scatter_add_eager(input, index, src, weight, ignore_index)
-            else:
-                _scatter_add_plain(input, index, src, weight, ignore_index)
             _increment_version((input,))
     except Exception as e:
         _raise("scatter_add", e, input, index, src, weight)
@@ -132,10 +141,10 @@ def index_add(
         if _compiling() or forward_ad_active() or (
                 _grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))):
             return _index_add(input, index, src, weight, ignore_index)  # through the op's Autograd kernel
-        if _functorch_active():
-            with _BelowAutograd():  # nothing to differentiate: straight to the batching rule
-                return _index_add_eager(input, index, src, weight, ignore_index)
-        return _index_add_plain(input, index, src, weight, ignore_index)  # nothing to differentiate
+        if _plain_ok():
+            return _index_add_plain(input, index, src, weight, ignore_index)  # nothing to differentiate
+        with _BelowAutograd():
+            return _index_add_eager(input, index, src, weight, ignore_index)
     except Exception as e:
         _raise("index_add", e, input, index, src, weight)
 
@@ -156,9 +165,9 @@ def gather(
         if _compiling() or forward_ad_active() or (
                 _grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))):
             return _gather(input, index, weight, ignore_index)
-        if _functorch_active():
-            with _BelowAutograd():
-                return _gather_eager(input, index, weight, ignore_index)
-        return _gather_plain(input, index, weight, ignore_index)
+        if _plain_ok():
+            return _gather_plain(input, index, weight, ignore_index)
+        with _BelowAutograd():
+            return _gather_eager(input, index, weight, ignore_index)
     except Exception as e:
         _raise("gather", e, input, index, _NO_SRC, weight)
