@@ -79,11 +79,17 @@ struct Avx512BF16 : Avx512F32 {
   static __m256i narrow(vec v) {
 #if SCATTER_ADD_AVX512_BF16
     // VCVTNEPS2BF16 rounds to nearest even but flushes subnormals to zero and keeps NaN payloads:
-    // those (rare) lanes take the integer rounding, so every level gives the same bits.
+    // those (rare) lanes take the integer rounding, so every level gives the same bits. They are
+    // found by integer tests of the exponent and mantissa: a floating-point class test reads a
+    // subnormal as zero when the caller has set denormals-are-zero (torch.set_flush_denormal).
     const __m256bh h = _mm512_cvtneps_pbh(v);
     __m256i out = reinterpret_cast<const __m256i&>(h);
-    // VFPCLASSPS 0xA1: quiet NaN (0x01), subnormal (0x20), signalling NaN (0x80).
-    const __mmask16 fix = _mm512_fpclass_ps_mask(v, 0xA1);
+    const __m512i b = _mm512_castps_si512(v);
+    const __mmask16 subnormal =
+        _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x7F800000)) & _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x007FFFFF));
+    const __mmask16 nan =
+        _mm512_cmpgt_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    const __mmask16 fix = subnormal | nan;
     if (fix != 0) out = _mm256_mask_mov_epi16(out, fix, _mm512_cvtepi32_epi16(bf16_by_integer(v)));
     return out;
 #else

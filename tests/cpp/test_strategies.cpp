@@ -5,6 +5,7 @@
 // full of subnormals of each dtype. Also: gather's bits, views_may_overlap, bad views, and the
 // strategy switches.
 #include <gtest/gtest.h>
+#include <xmmintrin.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -217,6 +218,35 @@ TEST(Strategies, NaNPayloadsOfUntouchedRowsKeepTheirBits) {
                 << " (row " << static_cast<int64_t>(e) / sh.d << ")";
         }
   }
+}
+
+// With denormals-are-zero and flush-to-zero set (torch.set_flush_denormal(True) does), rows that
+// receive nothing keep their bits, subnormals included, whichever path the scratch takes.
+TEST(Strategies, UntouchedSubnormalsSurviveFlushDenormalMode) {
+  const unsigned saved = _mm_getcsr();
+  for (DType t : {DType::bf16, DType::f16})
+    for (int64_t d : {1, 16, 33})
+      for (sa::Strategy st : kStrategies) {
+        const int64_t n = 8, k = 10;
+        Buf out0(t, static_cast<size_t>(n * d));
+        uint16_t* bits = reinterpret_cast<uint16_t*>(out0.data());
+        for (size_t e = 0; e < out0.size(); ++e) bits[e] = static_cast<uint16_t>(1 + e % 5);  // subnormals
+        Buf src(t, static_cast<size_t>(k * d));
+        for (size_t e = 0; e < src.size(); ++e) src.set(e, 1.0);
+        std::vector<int64_t> iv;
+        for (int64_t i = 0; i < k; ++i) iv.push_back(i % 2 ? 7 : 0);  // rows 0 and 7 only
+        const Idx idx = make_idx(IndexType::i64, iv);
+        Buf out = out0;
+        sa::Options opt;
+        opt.strategy = st;
+        opt.num_threads = 1;
+        _mm_setcsr(saved | 0x8040);  // FTZ | DAZ
+        sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d), {}, opt);
+        _mm_setcsr(saved);
+        for (int64_t e = d; e < 7 * d; ++e)
+          ASSERT_EQ(reinterpret_cast<const uint16_t*>(out.data())[e], bits[e])
+              << sa::dtype_name(t) << " D=" << d << " strategy=" << sa::strategy_name(st) << " element " << e;
+      }
 }
 
 // A sorted index whose ignored entries sit at its ends (padding before the first row and a
