@@ -48,12 +48,15 @@ struct DirectJob {
   bool prefetch;       // prefetch destination rows ahead (out larger than the caches)
   uint8_t* mark_rows;   // dense: the add sets byte r for each row r it touches (a plain store:
                         // a bit would be a read-modify-write, chained through memory)
+  void* scratch_orig;   // dense, unmarked: the scratch as copied in (same layout); the copy back
+                        // with no row set writes only the rows whose sum differs from it
   bool long_runs;       // sorted index whose runs are long: one-column runs summed run by run
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 
 // The scratch rows: load (out -> scratch) or store (scratch -> out, rounding once) the rows whose
-// bit is set in words [w0, w1) of `rows` (null: every row in [row_lo, row_hi)); columns
+// bit is set in words [w0, w1) of `rows` (null: every row in [row_lo, row_hi); on the way back
+// with a scratch_orig snapshot, only those whose sum differs from it); columns
 // [c0, c1) of out at slot column c - c0.
 using ScratchFn = void (*)(const DirectJob& job, const uint64_t* rows, int64_t w0, int64_t w1, int64_t c0,
                            int64_t c1, bool to_out);

@@ -432,6 +432,7 @@ struct RowKernels {
                            bool to_out) {
     T* out = static_cast<T*>(j.out) + c0;
     A* acc = static_cast<A*>(j.scratch);
+    A* orig = static_cast<A*>(j.scratch_orig);
     const int64_t m = c1 - c0;
     if (W > 1 && m == 1 && j.out_stride == 1 && j.scratch_stride == 1 && j.slot_base == nullptr) {
       scratch_copy_column(j, out, acc, rows, w0, w1, to_out);
@@ -451,6 +452,9 @@ struct RowKernels {
         const int64_t row = wd * 64 + __builtin_ctzll(bits);
         T* o = out + row * j.out_stride;
         A* a = acc + (j.slot_base != nullptr ? slot : row) * j.scratch_stride;
+        A* snap = orig != nullptr ? orig + (a - acc) : nullptr;
+        if (to_out && snap != nullptr && std::memcmp(a, snap, static_cast<size_t>(m) * sizeof(A)) == 0)
+          continue;  // the adds left the row as it came: not written
         if (W == 1 || m == 1) {
           for (int64_t c = 0; c < m; ++c) {
             if (to_out)
@@ -458,21 +462,22 @@ struct RowKernels {
             else
               a[c] = E::get(o[c]);
           }
-          continue;
+        } else {
+          int64_t c = 0;
+          for (; c + W <= m; c += W) {
+            if (to_out)
+              Ops::store(o + c, Ops::load_acc(a + c));
+            else
+              Ops::store_acc(a + c, Ops::load(o + c));
+          }
+          if (c < m) {
+            if (to_out)
+              Ops::store_part(o + c, Ops::load_acc_part(a + c, m - c), m - c);
+            else
+              Ops::store_acc_part(a + c, Ops::load_part(o + c, m - c), m - c);
+          }
         }
-        int64_t c = 0;
-        for (; c + W <= m; c += W) {
-          if (to_out)
-            Ops::store(o + c, Ops::load_acc(a + c));
-          else
-            Ops::store_acc(a + c, Ops::load(o + c));
-        }
-        if (c < m) {
-          if (to_out)
-            Ops::store_part(o + c, Ops::load_acc_part(a + c, m - c), m - c);
-          else
-            Ops::store_acc_part(a + c, Ops::load_part(o + c, m - c), m - c);
-        }
+        if (!to_out && snap != nullptr) std::memcpy(snap, a, static_cast<size_t>(m) * sizeof(A));
       }
     }
   }
@@ -481,6 +486,28 @@ struct RowKernels {
   static void scratch_copy_column(const DirectJob& j, T* out, A* acc, const uint64_t* rows, int64_t w0, int64_t w1,
                                   bool to_out) {
     const int64_t lo = std::max(j.row_lo, w0 * 64), hi = std::min(j.row_hi, w1 * 64);
+    A* orig = static_cast<A*>(j.scratch_orig);
+    constexpr uint64_t kAll = W >= 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
+    if (to_out && rows == nullptr && orig != nullptr) {  // the rows whose sum differs from the snapshot
+      T lanes[W];
+      for (int64_t r = lo; r < hi; r += W) {
+        const int64_t avail = std::min<int64_t>(W, hi - r);
+        uint64_t differ = 0;
+        for (int64_t q = 0; q < avail; ++q)  // bit patterns, compared as integers
+          differ |= uint64_t(std::memcmp(acc + r + q, orig + r + q, sizeof(A)) != 0) << q;
+        if (differ == 0) continue;
+        if (differ == kAll) {
+          Ops::store(out + r, Ops::load_acc(acc + r));
+          continue;
+        }
+        Ops::store_part(lanes, Ops::load_acc_part(acc + r, avail), avail);
+        for (; differ != 0; differ &= differ - 1) {
+          const int q = __builtin_ctzll(differ);
+          out[r + q] = lanes[q];
+        }
+      }
+      return;
+    }
     if (!to_out || rows == nullptr) {  // every row of [lo, hi)
       int64_t r = lo;
       for (; r + W <= hi; r += W) {
@@ -495,6 +522,8 @@ struct RowKernels {
         else
           Ops::store_acc_part(acc + r, Ops::load_part(out + r, hi - r), hi - r);
       }
+      if (!to_out && orig != nullptr && hi > lo)
+        std::memcpy(orig + lo, acc + lo, static_cast<size_t>(hi - lo) * sizeof(A));
       return;
     }
     // Back to out: only the marked rows are written; a vector is rounded at once and its

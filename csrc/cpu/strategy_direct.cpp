@@ -13,6 +13,7 @@
 // a range of rows, cut where the index's per-block counts balance the work; either way each output
 // element has one owner and one summation order. Otherwise one thread walks alone.
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "dispatch.h"
@@ -121,14 +122,21 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   }
 
   // bf16/fp16: a float32 scratch. Dense (a slot per row, n <= k: every slot pays for itself)
-  // copies every row in and back. When out holds a NaN (the way back turns every NaN into the
-  // canonical one) only the touched rows go back, which the adds mark as they go (or, when
-  // threads split the columns and so share the marks, a marking pass does first); every other
-  // value survives the float32 round trip bit for bit, so no marks are needed (a mark is a
-  // store to a second random line per entry: N = 100k, K = 1M, D = 1 bf16 took twice the time
-  // with them). Sparse needs the rows that repeat (bits), and has nothing to do when none does.
+  // copies every row in, and back only the rows the adds touched, which they mark as they go
+  // (or, when threads split the columns and so share the marks, a marking pass does first).
+  // One column with no NaN in out needs no marks: every other value survives the float32 round
+  // trip bit for bit, so a touched row is one whose sum differs from a snapshot of the scratch
+  // taken as it was filled (a row whose sum equals it rounds back to its own bits and is left
+  // alone; a row no entry names is never written). There a mark, a store to a second random
+  // line per entry, doubled the time (N = 100k, K = 1M, D = 1 bf16: 3.7-5.5 ms with marks,
+  // 2.3-3.2 ms with the snapshot); for wider rows, and for a column larger than the caches (N =
+  // 1M: 8.8-9.4 ms with marks, 12-13 with the snapshot), the snapshot's extra copy and compare
+  // cost more than the marks save. Sparse needs the rows that repeat (bits), and has nothing
+  // to do when none does.
   const bool dense = narrow && n <= k;
-  const bool exact = dense && !has_nan16(out);
+  const bool prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
+                        static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
+  const bool exact = dense && d == 1 && !prefetch && !has_nan16(out);
   const bool mark_in_pass = dense && split_columns && !exact;
   std::vector<uint64_t> seen(narrow ? static_cast<size_t>((n + 63) / 64) : 0), bits(narrow && !dense ? seen.size() : 0);
   IndexScan scan = first;
@@ -154,13 +162,13 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   DirectJob job = job_for(out, index, src, w, o);
   job.row_lo = 0;
   job.row_hi = n;
-  job.prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
-                 static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
+  job.prefetch = prefetch;
 
   const bool scratch = dense || (narrow && scan.repeated > 0);
   std::vector<uint8_t> marks(dense && !mark_in_pass && !exact ? static_cast<size_t>(n) : 0);
   std::vector<int64_t> slot_base;
   std::vector<float> acc;
+  std::unique_ptr<float[]> snapshot;  // filled by the copy in: no zeroing first
   if (scratch) {
     int64_t slots = n;
     if (!dense) {
@@ -176,10 +184,17 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     // cores (N = 33, K = 32768, D = 128 bf16 took 2-3.5x longer on two threads than on one).
     constexpr int64_t kLine = 64 / sizeof(float);
     job.scratch_stride = split_columns ? (d + kLine - 1) / kLine * kLine : d;
-    acc.resize(static_cast<size_t>(slots * job.scratch_stride + kLine));
-    float* base = acc.data();
-    base += (kLine - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % kLine) % kLine;
-    job.scratch = base;
+    auto aligned = [&](std::vector<float>& v) {
+      v.resize(static_cast<size_t>(slots * job.scratch_stride + kLine));
+      float* base = v.data();
+      return base + (kLine - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % kLine) % kLine;
+    };
+    job.scratch = aligned(acc);
+    if (exact) {
+      snapshot.reset(new float[static_cast<size_t>(slots * job.scratch_stride + kLine)]);
+      float* base = snapshot.get();
+      job.scratch_orig = base + (kLine - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % kLine) % kLine;
+    }
     job.slot_bits = dense ? nullptr : bits.data();
     job.slot_base = dense ? nullptr : slot_base.data();
     job.mark_rows = marks.empty() ? nullptr : marks.data();
@@ -227,6 +242,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     }
     if (scratch) {
       mine.scratch = static_cast<float*>(job.scratch) + c0;
+      if (job.scratch_orig != nullptr) mine.scratch_orig = static_cast<float*>(job.scratch_orig) + c0;
       copy(mine, dense ? nullptr : bits.data(), w0, w1, c0, c1, false);
     }
     add(mine, 0, k, c0, c1);
