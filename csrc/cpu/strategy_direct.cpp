@@ -184,16 +184,13 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     // cores (N = 33, K = 32768, D = 128 bf16 took 2-3.5x longer on two threads than on one).
     constexpr int64_t kLine = 64 / sizeof(float);
     job.scratch_stride = split_columns ? (d + kLine - 1) / kLine * kLine : d;
-    auto aligned = [&](std::vector<float>& v) {
-      v.resize(static_cast<size_t>(slots * job.scratch_stride + kLine));
-      float* base = v.data();
-      return base + (kLine - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % kLine) % kLine;
-    };
-    job.scratch = aligned(acc);
+    const size_t floats = static_cast<size_t>(slots * job.scratch_stride + kLine);  // room to align
+    auto on_line = [](float* p) { return p + (kLine - (reinterpret_cast<uintptr_t>(p) / sizeof(float)) % kLine) % kLine; };
+    acc.resize(floats);
+    job.scratch = on_line(acc.data());
     if (exact) {
-      snapshot.reset(new float[static_cast<size_t>(slots * job.scratch_stride + kLine)]);
-      float* base = snapshot.get();
-      job.scratch_orig = base + (kLine - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % kLine) % kLine;
+      snapshot.reset(new float[floats]);
+      job.scratch_orig = on_line(snapshot.get());
     }
     job.slot_bits = dense ? nullptr : bits.data();
     job.slot_base = dense ? nullptr : slot_base.data();
