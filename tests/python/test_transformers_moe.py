@@ -383,14 +383,19 @@ def flag_experts(kind):
     return ex
 
 
+def flag_routing(seed, tokens):
+    """Hidden states and a top-2 routing over the 8 experts of flag_experts' modules."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, 32, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
+    return h, idx, torch.rand(tokens, 2, generator=g)
+
+
 @pytest.mark.parametrize("kind", ["no_gate", "post_expert_norm"])
 def test_decorator_flags(sa, name, kind):
     ex = flag_experts(kind)
     assert (not ex.has_gate) if kind == "no_gate" else ex.has_post_expert_norm
-    g = torch.Generator().manual_seed(5)
-    h = torch.randn(20, 32, generator=g)
-    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(20)])
-    w = torch.rand(20, 2, generator=g)
+    h, idx, w = flag_routing(5, 20)
     outs = {}
     for impl in ("eager", name):
         ex.config._experts_implementation = impl
@@ -412,10 +417,7 @@ def test_activation_with_parameters_gets_gradients(sa, name, frozen_experts):
     ex.act_fn = torch.nn.PReLU(init=0.3)
     ex.up_proj.requires_grad_(not frozen_experts)
     ex.down_proj.requires_grad_(not frozen_experts)
-    g = torch.Generator().manual_seed(6)
-    h = torch.randn(24, 32, generator=g)
-    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(24)])
-    w = torch.rand(24, 2, generator=g)
+    h, idx, w = flag_routing(6, 24)
     grads = {}
     for impl in ("eager", name):
         ex.config._experts_implementation = impl
