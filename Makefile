@@ -11,7 +11,7 @@ JOBS ?= $(shell nproc)
 MAKEFLAGS += --no-print-directory
 
 .PHONY: all deps venv cpp hub-no-python-h test test-cpp test-consumer test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
-.PHONY: test-python-venv-cuda compat
+.PHONY: test-python-venv-cuda compat test-serial
 
 all: cpp
 
@@ -49,7 +49,16 @@ hub: deps venv
 test-python: hub
 	$(PY) -m pytest tests/python -q -rs
 
-test: test-cpp test-consumer test-sanitizers test-python test-python-venv-cuda bench-quick hub-no-python-h cuda cuda-hub
+# Two lanes side by side (scripts/lanes.sh; each line of output is prefixed [cpp] or [python]),
+# after every Debian package either needs is installed (apt-get must not run twice at once).
+TEST_CPP := test-cpp test-consumer test-sanitizers cuda
+TEST_PY := test-python test-python-venv-cuda bench-quick hub-no-python-h cuda-hub
+test:
+	@scripts/install_deps.sh pkg-config $(SAN_DEPS)
+	@scripts/lanes.sh cpp '$(MAKE) $(TEST_CPP)' python '$(MAKE) $(TEST_PY)'
+
+# The same one after another (one stream of output).
+test-serial: $(TEST_CPP) $(TEST_PY)
 
 # Sanitizers (clang's runtimes from Debian): the whole C++ suite under ASan + UBSan, the threaded
 # path (std::thread backend, which TSan can see into) under TSan, and the fuzz corpus replayed.
