@@ -462,3 +462,56 @@ def test_package_import_does_not_import_transformers():
             "assert 'transformers' not in sys.modules, 'imported'; assert callable(sa.moe.experts_forward); print('ok')")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("profile", ["few_rows", "one_row", "many_rows", "groups"])
+def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch, dtype, profile):
+    """The no-grad expert loop, with torch's grouped product where it pays: every block's result
+    equals the per-expert product of the form it takes (swapped W_e @ x_e.T for small blocks, the
+    loop's own otherwise) bit for bit, idle experts and sentinel rows included; the grouped product
+    runs for small blocks and never for blocks of one row. Row counts are odd, so that the gate's
+    transposed output needs its padded copy."""
+    moe = sa.moe
+    g = torch.Generator().manual_seed(7)
+    e_count, hidden, inter = 6, 64, 48
+    w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).to(dtype)
+    w_out = (0.2 * torch.randn(e_count, hidden, inter, generator=g)).to(dtype)
+    rows = {"few_rows": [3, 0, 5, 1, 0, 4], "one_row": [1, 1, 0, 1, 1, 0],
+            "many_rows": [300, 0, 257, 301, 0, 280], "groups": [3, 0, 5, 1, 0, 4]}[profile]
+    if profile == "groups":  # gate groups [3], [5, 1], [4] rows: one of two blocks, not at row 0
+        monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 6 * 2 * inter)
+    sentinels = 3
+    ends = torch.tensor(rows).cumsum(0)
+    xs = torch.randn(int(ends[-1]) + sentinels, hidden, generator=g).to(dtype)
+    xs[int(ends[-1]):] = 0
+
+    def gate(h):  # exactly rounded elementwise ops: the same bits in any layout
+        return torch.relu(h[:, :inter]) * h[:, inter:]
+
+    calls = {"n": 0}
+    real = torch._grouped_mm
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    with torch.no_grad():
+        ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    monkeypatch.setattr(torch, "_grouped_mm", real)
+
+    grouped = profile in ("few_rows", "groups")
+    assert (calls["n"] > 0) == grouped
+    ref = torch.zeros_like(ys)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        x = xs[start:end]
+        if end > start and grouped:
+            ref[start:end] = torch.mm(w_out[e], gate(torch.mm(w_in[e], x.t()).t()).t()).t()
+        elif end > start:
+            h = moe._linear(x, w_in, e, None, False)
+            ref[start:end] = moe._linear(gate(h), w_out, e, None, False)
+        start = end
+    assert torch.equal(ys, ref)
+    assert torch.equal(ys[int(ends[-1]):], torch.zeros_like(ys[int(ends[-1]):]))
