@@ -199,8 +199,8 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate):
 # oneDNN reads the weight as it lies and the loop's transposing copy per block is gone; the gate
 # then runs on the transposed layout and the result is transposed once, into ys. Measured in the
 # blocks (bench_moe's blocks, bf16, two threads, against the loop of _linear): Qwen3-MoE (128
-# experts, 768 x 1024 and 1024 x 384) 1.25-1.35x from 8 to 1024 tokens (0.5 to 64 rows per
-# expert), 1.2-1.6x to 4096 (256 rows); Mixtral (8 experts, 7168 x 1024 and 1024 x 3584)
+# experts, 768 x 1024 and 1024 x 384) 1.1-1.37x from 8 to 1024 tokens (0.5 to 64 rows per
+# expert), 1.0-1.2x at 2048 and 4096 (128, 256 rows); Mixtral (8 experts, 7168 x 1024 and 1024 x 3584)
 # 1.1-1.2x at 8 to 256 tokens (2 to 64 rows), 0.86x at 512 (128 rows, a 1.8 MB first product per
 # block): hence the limits below. Blocks of one row stay matrix-vector products in the loop (1.05-
 # 1.1x faster there, 1 token).
