@@ -32,6 +32,14 @@ namespace {
 // no branch).
 inline uint64_t own_row(uint64_t row, uint64_t lo, uint64_t span) { return row - lo < span ? row : lo; }
 
+// Rows of at most this many columns are added element by element, in the direct walks: a masked
+// vector load and store per contribution cost more than a few scalar ones, most where a row comes
+// back soon (a load from a masked store in flight waits for it). One thread, thread CPU time,
+// K = 1M, base -> scalar: D = 2 float32 N = 100k 3.9-4.1 -> 2.3 ms, N = 10k 3.2-3.5 -> 1.7-1.8 ms;
+// D = 2 bf16 (float32 scratch) N = 1M 17-24 -> 14-18 ms, N = 100k 5.1-5.3 -> 4.0 ms; D = 4 float32
+// N = 100k 4.7-5.4 -> 3.1-3.4 ms; D = 4 bf16 N = 100k 6.4-7.4 -> 5.2-6.1 ms; D = 8 within noise.
+constexpr int64_t kScalarCols = 4;
+
 inline void prefetch_at(const void* base, uint64_t row, uint64_t row_bytes, int rw = 0) {
   // Unsigned arithmetic: an ignored index (any value) must not make the address computation UB.
   const uintptr_t p = reinterpret_cast<uintptr_t>(base) + row * row_bytes;
@@ -197,7 +205,7 @@ struct RowKernels {
   // out row o's m columns += wi * s (one contribution, rounded once).
   template <bool Weighted>
   static void add_once(T* o, const T* s, A wi, int64_t m) {
-    if (W == 1 || m == 1) {
+    if (W == 1 || m <= kScalarCols) {
       for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
       return;
     }
@@ -210,7 +218,7 @@ struct RowKernels {
 
   template <class I, bool Weighted>
   static void add_direct(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
-    const bool one = W == 1 || c1 - c0 == 1;
+    const bool one = W == 1 || c1 - c0 <= kScalarCols;
     if (j.prefetch) {
       if (one)
         add_direct_loop<I, Weighted, true, true>(j, i0, i1, c0, c1);
@@ -415,7 +423,7 @@ struct RowKernels {
       }
       if (Dense && j.mark_rows != nullptr) j.mark_rows[r] = 1;
       A* o = acc + (Dense ? r : slot_of(j, r)) * j.scratch_stride;
-      if (W == 1 || m == 1) {
+      if (W == 1 || m <= kScalarCols) {
         for (int64_t c = 0; c < m; ++c) o[c] = step1<Weighted>(o[c], E::get(s[c]), wi);
         continue;
       }

@@ -101,6 +101,9 @@ const StrategyShape kStrategyShapes[] = {
     {30, 3000, 1, Pattern::sorted},   {3, 500, 5, Pattern::sorted},
     // a bf16/f16 scratch over one column, large enough for a row split across threads
     {20000, 60000, 1, Pattern::uniform},
+    // rows of 2 to 4 columns, added element by element by the direct walks: repeated rows in a
+    // dense scratch (N <= K) and in a sparse one (N > K)
+    {300, 2000, 4, Pattern::uniform}, {3000, 1000, 4, Pattern::zipf},  {2000, 900, 3, Pattern::hot_row},
 };
 const sa::Strategy kStrategies[] = {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix};
 
