@@ -515,3 +515,36 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
         start = end
     assert torch.equal(ys, ref)
     assert torch.equal(ys[int(ends[-1]):], torch.zeros_like(ys[int(ends[-1]):]))
+
+
+@pytest.mark.parametrize("layout", ["intermediate_1", "hidden_1", "tied_rows", "stepped", "broadcast_gate"])
+def test_inference_products_take_every_layout(sa, monkeypatch, layout):
+    """Operands torch's grouped product cannot read as they lie (a dimension of one element, a
+    stride of 0, a stepped view, a broadcast gate output) are copied or left to the loop: the
+    result equals the loop's."""
+    moe = sa.moe
+    g = torch.Generator().manual_seed(3)
+    e_count, hidden, inter = 4, 64, 48
+    if layout == "intermediate_1":
+        inter = 1
+    if layout == "hidden_1":
+        hidden = 1
+    w_in = 0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)
+    w_out = 0.2 * torch.randn(e_count, hidden, inter, generator=g)
+    if layout == "tied_rows":
+        w_in, w_out = w_in[:, :1].expand_as(w_in), w_out[:, :1].expand_as(w_out)
+    if layout == "stepped":
+        w_in = torch.randn(e_count, 2 * inter, 4 * hidden, generator=g)[:, :, ::4]
+        w_out = torch.randn(e_count, hidden, 4 * inter, generator=g)[:, :, ::4]
+    ends = torch.tensor([3, 3, 8, 10])
+    xs = torch.randn(10, hidden, generator=g)
+
+    def gate(h):
+        a = torch.relu(h[:, :inter]) * h[:, inter:]
+        return a[:, :1].expand_as(a) if layout == "broadcast_gate" else a
+
+    with torch.no_grad():
+        ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+        monkeypatch.setattr(moe, "_grouped_ok", lambda *args: False)
+        ref = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    torch.testing.assert_close(ys, ref, rtol=1e-5, atol=1e-5)

@@ -218,9 +218,20 @@ def _swap_pays(group, width) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm reads t in place: 16-byte aligned start and non-unit strides."""
+    """Whether torch._grouped_mm reads t (2-D or 3-D) in place, by its own rule: the last two
+    dimensions row-major (unit column stride, a row stride of at least the row) or column-major, the
+    other stride of the two, the batch stride and the start 16-byte aligned. A stride of 0 or a
+    stepped view fails it (such operands are copied, or the loop runs)."""
     es = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(st == 1 or st * es % 16 == 0 for st in t.stride())
+    *batch, s_row, s_col = t.stride()
+    rows, cols = t.shape[-2:]
+    if s_col == 1 and s_row >= max(cols, 1):
+        lead = s_row
+    elif s_row == 1 and s_col >= max(rows, 1):
+        lead = s_col
+    else:
+        return False
+    return t.data_ptr() % 16 == 0 and all(st * es % 16 == 0 for st in (lead, *batch))
 
 
 def _operand(t: torch.Tensor) -> torch.Tensor:
