@@ -471,22 +471,28 @@ struct RowKernels {
               a[c] = E::get(o[c]);
           }
         } else {
-          int64_t c = 0;
-          for (; c + W <= m; c += W) {
-            if (to_out)
-              Ops::store(o + c, Ops::load_acc(a + c));
-            else
-              Ops::store_acc(a + c, Ops::load(o + c));
-          }
-          if (c < m) {
-            if (to_out)
-              Ops::store_part(o + c, Ops::load_acc_part(a + c, m - c), m - c);
-            else
-              Ops::store_acc_part(a + c, Ops::load_part(o + c, m - c), m - c);
-          }
+          copy_span(o, a, m, to_out);
         }
         if (!to_out && snap != nullptr) std::memcpy(snap, a, static_cast<size_t>(m) * sizeof(A));
       }
+    }
+  }
+
+  // n consecutive elements between out and the float32 scratch: rounded once into out (to_out) or
+  // widened into the scratch, whole vectors then one partial.
+  static void copy_span(T* o, A* a, int64_t n, bool to_out) {
+    int64_t c = 0;
+    for (; c + W <= n; c += W) {
+      if (to_out)
+        Ops::store(o + c, Ops::load_acc(a + c));
+      else
+        Ops::store_acc(a + c, Ops::load(o + c));
+    }
+    if (c < n) {
+      if (to_out)
+        Ops::store_part(o + c, Ops::load_acc_part(a + c, n - c), n - c);
+      else
+        Ops::store_acc_part(a + c, Ops::load_part(o + c, n - c), n - c);
     }
   }
 
@@ -517,19 +523,7 @@ struct RowKernels {
       return;
     }
     if (!to_out || rows == nullptr) {  // every row of [lo, hi)
-      int64_t r = lo;
-      for (; r + W <= hi; r += W) {
-        if (to_out)
-          Ops::store(out + r, Ops::load_acc(acc + r));
-        else
-          Ops::store_acc(acc + r, Ops::load(out + r));
-      }
-      if (r < hi) {
-        if (to_out)
-          Ops::store_part(out + r, Ops::load_acc_part(acc + r, hi - r), hi - r);
-        else
-          Ops::store_acc_part(acc + r, Ops::load_part(out + r, hi - r), hi - r);
-      }
+      if (hi > lo) copy_span(out + lo, acc + lo, hi - lo, to_out);
       if (!to_out && orig != nullptr && hi > lo)
         std::memcpy(orig + lo, acc + lo, static_cast<size_t>(hi - lo) * sizeof(A));
       return;
