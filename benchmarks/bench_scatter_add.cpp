@@ -231,7 +231,9 @@ void report_regret(const std::vector<CalRow>& rows) {
   for (const CalRow& r : rows) {
     const sa::DType dt = r.dtype == "bfloat16" ? sa::DType::bf16 : sa::DType::f32;
     const int best = static_cast<int>(std::min_element(r.t + 1, r.t + 4) - r.t);
-    const sa::Strategy pick = sa::cpu::choose_add({r.n, r.k, r.d, dt}, sa::Options{});
+    sa::Options one;  // the calibration's times are one thread's
+    one.num_threads = 1;
+    const sa::Strategy pick = sa::cpu::choose_add({r.n, r.k, r.d, dt}, one);
     const double regret = r.t[static_cast<int>(pick)] / r.t[best];
     char line[256];
     std::snprintf(line, sizeof line, "%-8s %-7s %8lld %8lld %5lld | %10.1f %10.1f %10.1f | %-6s %-6s %5.2fx",

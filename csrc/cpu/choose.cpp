@@ -151,6 +151,28 @@ double estimate_ns(const AddShape& s, Strategy strategy) {
          2.0 * r * rb * P::kNsPerByteStream;
 }
 
+double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
+  const double one = estimate_ns(s, strategy);
+  if (threads <= 1) return one;
+  Options o;
+  o.num_threads = threads;
+  const double es = static_cast<double>(dtype_size(s.dtype)), d = static_cast<double>(s.d), k = static_cast<double>(s.k);
+  if (strategy == Strategy::direct) {  // the threads run_direct takes, and whether they divide the walk
+    const int nt = threads_for(o, k * d * es * 3.0);
+    const double share = d * es / std::max(nt, 1);
+    const bool columns = nt > 1 && share >= static_cast<double>(P::kMinColumnShareBytes);
+    const bool rows = nt > 1 && !columns && direct_row_split_pays(s, nt);
+    return (rows || (columns && share >= static_cast<double>(P::kColumnShareScalesBytes))) ? one / nt : one;
+  }
+  // A plan's rows divide over the threads (each row summed by one); its sort runs on one.
+  const double lambda = k / static_cast<double>(std::max<int64_t>(s.n, 1));
+  const double r = static_cast<double>(std::max<int64_t>(s.n, 1)) * -std::expm1(-lambda);
+  const int nt = threads_for(o, (k + static_cast<double>(P::kRowCost) * r) * d * es);
+  const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
+  const double sort = plan_ns(s.n, s.k, radix);
+  return sort + (one - sort) / nt;
+}
+
 bool direct_row_split_pays(const AddShape& s, int nt) {
   // Neither the walk nor the source stream divides: the prefetchers stream every source row into
   // each thread, its own or not.
@@ -168,8 +190,9 @@ Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {
   const Strategy forced = get_strategy();
   if (forced != Strategy::automatic) return forced;
   if (sorted) return Strategy::direct;
-  const double direct = estimate_ns(s, Strategy::direct), count = estimate_ns(s, Strategy::count),
-               radix = estimate_ns(s, Strategy::radix);
+  const int nt = o.num_threads > 0 ? o.num_threads : get_num_threads();
+  const double direct = threaded_ns(s, Strategy::direct, nt), count = threaded_ns(s, Strategy::count, nt),
+               radix = threaded_ns(s, Strategy::radix, nt);
   if (direct <= count && direct <= radix) return Strategy::direct;
   return count <= radix ? Strategy::count : Strategy::radix;
 }

@@ -62,6 +62,10 @@ struct CpuPolicy {
   // (N = 33, K = 32768, D = 128 on two threads) the split took 1.4-3.5x one thread's time; at
   // 2 KB and more (D >= 512 float32) two threads took 0.55-0.7x of it.
   static constexpr int64_t kMinColumnShareBytes = 512;
+  // The cost model counts a column split as dividing the walk only from this share on: two
+  // threads, wall time, D = 1024 float32 (2 KB shares) N = 41 / 4096, K = 4096: 1.3x / 1.7x
+  // faster than one; D = 256 float32 (512 B shares) N = 164, K = 16384: 0.65x to 1x.
+  static constexpr int64_t kColumnShareScalesBytes = 2048;
   // Direct, rows too narrow for that: a row split costs each thread this much per mispredicted
   // skip of another thread's entry. Measured with 1 and 2 threads (wall time, idle 2-core Xeon),
   // where every thread walks the whole index: N = 100k, K = 1M, D = 1 float32 took 2.3-2.4 ms on

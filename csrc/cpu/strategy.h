@@ -31,6 +31,12 @@ Strategy choose_add(const AddShape& s, const Options& o, bool sorted = false);
 // Estimated nanoseconds of each strategy for the shape, single thread (for the benchmark's
 // report and the tests of the chooser).
 double estimate_ns(const AddShape& s, Strategy strategy);
+// The same on up to `threads` threads, as each strategy divides its work: a plan's rows over the
+// threads threads_for gives them (its sort on one), the direct walk only where run_direct splits
+// its rows, or its columns in shares of CpuPolicy::kColumnShareScalesBytes or more (narrower
+// shares gain nothing; below kMinColumnShareBytes it runs on one thread). choose_add compares
+// these.
+double threaded_ns(const AddShape& s, Strategy strategy, int threads);
 // Whether the direct walk of an unsorted index, with rows too narrow to split by columns, gives
 // each of nt threads a range of rows (else one thread walks alone). A row split has every thread
 // walk the whole index and skip the other threads' entries, a branch that a spread index

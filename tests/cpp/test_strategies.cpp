@@ -514,6 +514,27 @@ TEST(StrategySwitch, OptionsAndSetStrategyForceOne) {
   sa::set_strategy(before);
 }
 
+// The cost model compares what each strategy takes on the threads it would get: a plan's rows
+// divide over them, the direct walk of rows too narrow to split by columns does not.
+TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
+  // 164 rows of 1 KiB float32 hit 100 times each: the walk's column shares (512 B) gain nothing.
+  const sa::cpu::AddShape s{164, 16384, 256, DType::f32};
+  for (sa::Strategy st : {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix})
+    EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(s, st, 1), sa::cpu::estimate_ns(s, st)) << sa::strategy_name(st);
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(s, sa::Strategy::direct, 2), sa::cpu::estimate_ns(s, sa::Strategy::direct));
+  EXPECT_LT(sa::cpu::threaded_ns(s, sa::Strategy::count, 2), 0.6 * sa::cpu::estimate_ns(s, sa::Strategy::count));
+  if (sa::get_strategy() != sa::Strategy::automatic) GTEST_SKIP() << "SCATTER_ADD_CPU_STRATEGY forces a strategy";
+  sa::Options one, two;
+  one.num_threads = 1;
+  two.num_threads = 2;
+  EXPECT_EQ(sa::cpu::choose_add(s, one), sa::Strategy::direct);
+  EXPECT_NE(sa::cpu::choose_add(s, two), sa::Strategy::direct);
+  // Rows of 4 KiB split by columns in 2 KiB shares: the walk divides too.
+  const sa::cpu::AddShape wide{41, 4096, 1024, DType::f32};
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(wide, sa::Strategy::direct, 2),
+                   sa::cpu::estimate_ns(wide, sa::Strategy::direct) / 2);
+}
+
 // Run by its own CTest entry with SCATTER_ADD_CPU_STRATEGY=bogus (filtered out elsewhere).
 TEST(StrategyEnv, UnknownNameIsAnErrorNamingTheVariable) {
   ASSERT_STREQ(std::getenv("SCATTER_ADD_CPU_STRATEGY"), "bogus");
