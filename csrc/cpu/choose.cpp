@@ -169,7 +169,7 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
   const double r = static_cast<double>(std::max<int64_t>(s.n, 1)) * -std::expm1(-lambda);
   const int nt = threads_for(o, (k + static_cast<double>(P::kRowCost) * r) * d * es);
   const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
-  const double sort = plan_ns(s.n, s.k, radix);
+  const double sort = std::min(one, std::max(plan_ns(s.n, s.k, radix), k * P::kSerialSortNsPerEntry));
   return sort + (one - sort) / nt;
 }
 

@@ -55,6 +55,13 @@ struct CpuPolicy {
   static constexpr int kRadixDigitBits = 11;
   static constexpr double kRadixNsPerEntryPass = 2.49;
   static constexpr double kRadixNsPerBucket = 0.318;
+  // The part of a planned call that runs on one thread whatever the thread count: the sort, timed
+  // apart (`bench_scatter_add --strategies`): counting sort 4 to 14 ns per entry (N = 4096,
+  // K = 65536: 262 us; N = 32768, K = 65536: 467 us; N = 100k, K = 1M: 13.8 ms), radix 10 to 12 ns
+  // (N = 262144, K = 4096: 43 us; N = 1M, K = 100k: 1.2 ms; N = 100k, K = 1M: 11.7 ms). The
+  // one-thread fit above spreads that cost over its other terms, so its sort terms alone
+  // understate it.
+  static constexpr double kSerialSortNsPerEntry = 10.0;
 
   // Direct with several threads: split columns when each thread gets at least this many bytes
   // of every row (whole cache lines, and a balanced split whatever the index), rows otherwise.
