@@ -71,6 +71,7 @@ struct GatherJob {
   const void* w;  // accumulator type, indexed by i; null when unweighted
   bool has_ignore;
   int64_t ignore;
+  bool stream;  // unweighted rows written by non-temporal stores (CpuPolicy::kStreamAboveBytes)
 };
 using GatherFn = void (*)(const GatherJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 

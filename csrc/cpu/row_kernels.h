@@ -17,7 +17,9 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__SSE2__)
+#if defined(__AVX__)
+#include <immintrin.h>
+#elif defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
@@ -62,6 +64,46 @@ inline void prefetch_lines_at(const void* base, uint64_t row, uint64_t row_bytes
     else
       __builtin_prefetch(reinterpret_cast<const void*>(a), 0);
   }
+}
+
+// n bytes from s to d, the whole aligned vectors of d by non-temporal stores (the ends by
+// memcpy): a large gather's rows go to memory without being read into the cache first. They are
+// weakly ordered: stream_fence() before anything else reads them.
+inline void stream_copy(void* d, const void* s, size_t n) {
+#if defined(__AVX512F__)
+  constexpr size_t kV = 64;
+#elif defined(__AVX__)
+  constexpr size_t kV = 32;
+#elif defined(__SSE2__)
+  constexpr size_t kV = 16;
+#else
+  constexpr size_t kV = 0;
+#endif
+  char* dp = static_cast<char*>(d);
+  const char* sp = static_cast<const char*>(s);
+  if constexpr (kV > 0) {
+    const size_t head = std::min(n, (kV - reinterpret_cast<uintptr_t>(dp) % kV) % kV);
+    std::memcpy(dp, sp, head);
+    dp += head;
+    sp += head;
+    n -= head;
+    for (; n >= kV; n -= kV, dp += kV, sp += kV) {
+#if defined(__AVX512F__)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dp), _mm512_loadu_si512(sp));
+#elif defined(__AVX__)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dp), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)));
+#elif defined(__SSE2__)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dp), _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp)));
+#endif
+    }
+  }
+  std::memcpy(dp, sp, n);
+}
+
+inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 // Sources first, first + 1, ... (a run of a sorted index), indexed like the plan's source array.
@@ -616,6 +658,10 @@ struct RowKernels {
     const int64_t m = c1 - c0;
     const size_t bytes = static_cast<size_t>(m) * sizeof(T);
     const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
+    if (!Weighted && j.stream) {
+      stream_rows<I>(j, dst, x, i0, i1, bytes);
+      return;
+    }
     if (!Weighted) {  // short rows: a copy of constant size, inlined
       switch (bytes) {
         case 4: return copy_rows<I, 4>(j, dst, x, i0, i1);
@@ -654,6 +700,22 @@ struct RowKernels {
       for (; c + W <= m; c += W) Ops::store(d + c, Ops::mul(Ops::load(s + c), wv));
       if (c < m) Ops::store_part(d + c, Ops::mul(Ops::load_part(s + c, m - c), wv), m - c);
     }
+  }
+
+  // Unweighted rows of `bytes` by non-temporal stores (GatherJob::stream).
+  template <class I>
+  static void stream_rows(const GatherJob& j, T* dst, const T* x, int64_t i0, int64_t i1, size_t bytes) {
+    const I* idx = static_cast<const I*>(j.index);
+    const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kPrefetchAhead < i1) prefetch_at(x, static_cast<uint64_t>(idx[i + kPrefetchAhead]), xb);
+      const int64_t r = static_cast<int64_t>(idx[i]);
+      if (j.has_ignore && r == j.ignore)
+        std::memset(dst + i * j.dst_stride, 0, bytes);
+      else
+        stream_copy(dst + i * j.dst_stride, x + r * j.x_stride, bytes);
+    }
+    stream_fence();
   }
 
   template <class I, size_t Bytes>
