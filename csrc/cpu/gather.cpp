@@ -60,6 +60,7 @@ void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& inde
   const double row_bytes = static_cast<double>(d) * static_cast<double>(es);
   const double dst_bytes = row_bytes * static_cast<double>(k);
   const bool stream = w == nullptr && row_bytes >= static_cast<double>(CpuPolicy::kStreamMinRowBytes) &&
+                      row_bytes <= static_cast<double>(CpuPolicy::kStreamMaxRowBytes) &&
                       dst_bytes >= static_cast<double>(CpuPolicy::kStreamAboveBytes) &&
                       pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + d)) * es);
   const GatherJob job{dst.data, dst.row_stride, x.data,  x.row_stride, index.data,

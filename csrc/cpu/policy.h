@@ -17,13 +17,16 @@ struct CpuPolicy {
   // --- gather ----------------------------------------------------------------------------------
   // An unweighted gather writes its dst rows with non-temporal stores (no read of each dst line
   // into the cache before it is overwritten) when dst has at least kStreamAboveBytes in rows of
-  // at least kStreamMinRowBytes, and its pages are in memory already (kResidentSamples pages
-  // checked: on fresh pages streaming is slower, gather.cpp). A row copy loop into a dst written
-  // before, 2 threads, wall time, memcpy -> streaming: 4 MiB of 256 B to 8 KiB rows 1.3-1.7x
-  // faster, 16 to 128 MiB 1.2-2.1x; but 1 MiB of 16 KiB rows 0.58x (a dst that stays in the
-  // cache), 128 B rows 0.99x, 64 B 0.81x.
+  // kStreamMinRowBytes to kStreamMaxRowBytes, and its pages are in memory already
+  // (kResidentSamples pages checked: on fresh pages streaming is slower, gather.cpp). A row copy
+  // loop into a dst written before, 2 threads, wall time, memcpy -> streaming: 4 MiB of 256 B to
+  // 8 KiB rows 1.3-1.7x faster, 16 to 128 MiB 1.2-2.1x; but 1 MiB of 16 KiB rows 0.58x (a dst
+  // that stays in the cache), 128 B rows 0.99x, 64 B 0.81x. Through torch, rows of 8 and 16 KiB
+  // from a few cached source rows took 1.05-1.2x longer (memcpy's string moves already skip the
+  // read for such lengths).
   static constexpr int64_t kStreamAboveBytes = 4 << 20;
   static constexpr int64_t kStreamMinRowBytes = 256;
+  static constexpr int64_t kStreamMaxRowBytes = 4096;
   static constexpr int kResidentSamples = 8;
 
   // --- planned rows (count / radix) ----------------------------------------------------------
