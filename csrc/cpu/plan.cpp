@@ -55,6 +55,11 @@ Plan Plan::build(const IndexVector& index, int64_t num_rows, std::optional<int64
   return p;
 }
 
+size_t Plan::capacity_bytes() const {
+  return (rows_.capacity() + offsets_.capacity() + sources_.capacity() + ignored_.capacity() + scratch_.capacity()) *
+         sizeof(int64_t);
+}
+
 void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int64_t> ignore_index,
                    Strategy method) {
   if (num_rows < 0)

@@ -30,6 +30,9 @@ struct CpuPolicy {
   static constexpr int kResidentSamples = 8;
 
   // --- planned rows (count / radix) ----------------------------------------------------------
+  // index_add_rows builds its plans in a per-thread plan whose buffers it keeps up to this size
+  // (a plan of about a million entries).
+  static constexpr int64_t kKeptPlanBytes = 32 << 20;
   // Work split: a destination row costs (its contributions + kRowCost) row-transfers, since the
   // row is read and written once. Split points inside a row fall on kColumnAlign elements
   // (128 B of bf16, a multiple of every vector width) so threads never share a cache line

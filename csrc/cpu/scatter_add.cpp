@@ -5,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "policy.h"
 #include "scatter_add/scatter_add.h"
 #include "strategy.h"
 #include "validate.h"
@@ -74,8 +75,12 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
     if (s == Strategy::direct) {
       cpu::run_direct(out, index, src, w, options, scan);
     } else {
-      const Plan plan = Plan::build(index, out.rows, options.ignore_index, s);
-      cpu::run_planned(out, plan, src, w, options);
+      // Built in this thread's plan, whose buffers stay for its next call (up to
+      // kKeptPlanBytes): a new plan's buffers are pages the kernel maps and zeroes on every call.
+      thread_local Plan kept;
+      kept.rebuild(index, out.rows, options.ignore_index, s);
+      cpu::run_planned(out, kept, src, w, options);
+      if (kept.capacity_bytes() > static_cast<size_t>(cpu::CpuPolicy::kKeptPlanBytes)) kept = Plan();
     }
   });
 }

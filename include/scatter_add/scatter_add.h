@@ -120,6 +120,8 @@ class Plan {
   const std::vector<int64_t>& offsets() const { return offsets_; }  // [R + 1]
   const std::vector<int64_t>& sources() const { return sources_; }  // [kept] source ids by row
   const std::vector<int64_t>& ignored() const { return ignored_; }  // source ids equal to ignore
+  // Bytes of memory the plan's buffers hold, which rebuild reuses.
+  size_t capacity_bytes() const;
 
  private:
   int64_t num_rows_ = 0;

@@ -406,6 +406,25 @@ TEST(Strategies, LargeGatherByStreamingStoresCopiesEveryByte) {
     }
 }
 
+// index_add_rows keeps its plan's buffers per thread between calls, up to a size: calls of
+// different shapes in a row, one past that size (released after it), give their own sums.
+TEST(Strategies, KeptPlanServesCallsOfEveryShapeInTurn) {
+  std::mt19937_64 rng(77);
+  for (int64_t k : {int64_t(3000), int64_t(3) << 20, int64_t(50), int64_t(3000)})
+    for (sa::Strategy st : {sa::Strategy::count, sa::Strategy::radix}) {
+      const int64_t n = k > 10000 ? 4000 : 37;
+      std::vector<int64_t> iv = make_indices(Pattern::uniform, n, k, rng);
+      std::vector<int32_t> i32(iv.begin(), iv.end());
+      std::vector<float> src(static_cast<size_t>(k), 1.0f), out(static_cast<size_t>(n), 0.5f), want(out);
+      for (int64_t i = 0; i < k; ++i) want[static_cast<size_t>(iv[static_cast<size_t>(i)])] += 1.0f;
+      sa::Options opt;
+      opt.strategy = st;
+      sa::index_add_rows({out.data(), n, 1, 1, DType::f32}, {i32.data(), k, IndexType::i32},
+                         {src.data(), k, 1, 1, DType::f32}, {}, opt);
+      ASSERT_EQ(out, want) << "k=" << k << " " << sa::strategy_name(st);
+    }
+}
+
 TEST(Overlap, ElementsNotByteRanges) {
   std::vector<float> m(10 * 8);
   const float* p = m.data();
