@@ -658,19 +658,20 @@ struct RowKernels {
     const int64_t m = c1 - c0;
     const size_t bytes = static_cast<size_t>(m) * sizeof(T);
     const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
-    if (!Weighted && j.stream) {
-      stream_rows<I>(j, dst, x, i0, i1, bytes);
+    if (!Weighted && j.stream) {  // non-temporal stores (GatherJob::stream), fenced before return
+      copy_rows<I>(j, dst, x, i0, i1, bytes, StreamCopy{});
+      stream_fence();
       return;
     }
-    if (!Weighted) {  // short rows: a copy of constant size, inlined
+    if (!Weighted) {  // short rows: a copy of constant size
       switch (bytes) {
-        case 4: return copy_rows<I, 4>(j, dst, x, i0, i1);
-        case 8: return copy_rows<I, 8>(j, dst, x, i0, i1);
-        case 16: return copy_rows<I, 16>(j, dst, x, i0, i1);
-        case 32: return copy_rows<I, 32>(j, dst, x, i0, i1);
-        case 64: return copy_rows<I, 64>(j, dst, x, i0, i1);
-        case 128: return copy_rows<I, 128>(j, dst, x, i0, i1);
-        case 256: return copy_rows<I, 256>(j, dst, x, i0, i1);
+        case 4: return copy_rows<I>(j, dst, x, i0, i1, 4, FixedCopy<4>{});
+        case 8: return copy_rows<I>(j, dst, x, i0, i1, 8, FixedCopy<8>{});
+        case 16: return copy_rows<I>(j, dst, x, i0, i1, 16, FixedCopy<16>{});
+        case 32: return copy_rows<I>(j, dst, x, i0, i1, 32, FixedCopy<32>{});
+        case 64: return copy_rows<I>(j, dst, x, i0, i1, 64, FixedCopy<64>{});
+        case 128: return copy_rows<I>(j, dst, x, i0, i1, 128, FixedCopy<128>{});
+        case 256: return copy_rows<I>(j, dst, x, i0, i1, 256, FixedCopy<256>{});
         default: break;
       }
     }
@@ -702,9 +703,9 @@ struct RowKernels {
     }
   }
 
-  // Unweighted rows of `bytes` by non-temporal stores (GatherJob::stream).
-  template <class I>
-  static void stream_rows(const GatherJob& j, T* dst, const T* x, int64_t i0, int64_t i1, size_t bytes) {
+  // Unweighted rows of `bytes`, each copied by copy(dst_row, x_row, bytes); zeros at ignore.
+  template <class I, class Copy>
+  static void copy_rows(const GatherJob& j, T* dst, const T* x, int64_t i0, int64_t i1, size_t bytes, Copy copy) {
     const I* idx = static_cast<const I*>(j.index);
     const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
     for (int64_t i = i0; i < i1; ++i) {
@@ -713,24 +714,16 @@ struct RowKernels {
       if (j.has_ignore && r == j.ignore)
         std::memset(dst + i * j.dst_stride, 0, bytes);
       else
-        stream_copy(dst + i * j.dst_stride, x + r * j.x_stride, bytes);
-    }
-    stream_fence();
-  }
-
-  template <class I, size_t Bytes>
-  static void copy_rows(const GatherJob& j, T* dst, const T* x, int64_t i0, int64_t i1) {
-    const I* idx = static_cast<const I*>(j.index);
-    const uint64_t xb = static_cast<uint64_t>(j.x_stride) * sizeof(T);
-    for (int64_t i = i0; i < i1; ++i) {
-      if (i + kPrefetchAhead < i1) prefetch_at(x, static_cast<uint64_t>(idx[i + kPrefetchAhead]), xb);
-      const int64_t r = static_cast<int64_t>(idx[i]);
-      if (j.has_ignore && r == j.ignore)
-        std::memset(dst + i * j.dst_stride, 0, Bytes);
-      else
-        std::memcpy(dst + i * j.dst_stride, x + r * j.x_stride, Bytes);
+        copy(dst + i * j.dst_stride, x + r * j.x_stride, bytes);
     }
   }
+  template <size_t Bytes>
+  struct FixedCopy {  // a copy of constant size, inlined
+    void operator()(void* d, const void* s, size_t) const { std::memcpy(d, s, Bytes); }
+  };
+  struct StreamCopy {
+    void operator()(void* d, const void* s, size_t n) const { stream_copy(d, s, n); }
+  };
 
   static void scale_row(void* dst_v, const void* x_v, double w, int64_t c0, int64_t c1) {
     T* dst = static_cast<T*>(dst_v);
