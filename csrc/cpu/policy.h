@@ -31,7 +31,8 @@ struct CpuPolicy {
 
   // --- planned rows (count / radix) ----------------------------------------------------------
   // index_add_rows builds its plans in a per-thread plan whose buffers it keeps up to this size
-  // (a plan of about a million entries).
+  // (a plan of about a million entries), so each thread that makes planned calls may hold that
+  // much between them; a larger plan, or one whose build failed, is released.
   static constexpr int64_t kKeptPlanBytes = 32 << 20;
   // Work split: a destination row costs (its contributions + kRowCost) row-transfers, since the
   // row is read and written once. Split points inside a row fall on kColumnAlign elements

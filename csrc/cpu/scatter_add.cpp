@@ -78,8 +78,13 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
       // Built in this thread's plan, whose buffers stay for its next call (up to
       // kKeptPlanBytes): a new plan's buffers are pages the kernel maps and zeroes on every call.
       thread_local Plan kept;
-      kept.rebuild(index, out.rows, options.ignore_index, s);
-      cpu::run_planned(out, kept, src, w, options);
+      try {
+        kept.rebuild(index, out.rows, options.ignore_index, s);
+        cpu::run_planned(out, kept, src, w, options);
+      } catch (...) {  // a build that failed part way (out of memory) keeps nothing
+        kept = Plan();
+        throw;
+      }
       if (kept.capacity_bytes() > static_cast<size_t>(cpu::CpuPolicy::kKeptPlanBytes)) kept = Plan();
     }
   });
