@@ -108,6 +108,12 @@ double rmw_ns(double count, double row_bytes, double ws) {
   return count * (P::kNsPerRandomRow + 2.0 * row_bytes * P::kNsPerByteMemory);
 }
 
+// Rows an index of k uniform draws from n rows touches: n (1 - e^(-k/n)).
+double touched_rows(int64_t n, int64_t k) {
+  const double nd = static_cast<double>(std::max<int64_t>(n, 1));
+  return nd * -std::expm1(-static_cast<double>(k) / nd);
+}
+
 double plan_ns(int64_t n, int64_t k, bool radix) {
   if (!radix) return P::kCountNsPerRow * static_cast<double>(n) + P::kCountNsPerEntry * static_cast<double>(k);
   int bits = 0;
@@ -130,7 +136,7 @@ double estimate_ns(const AddShape& s, Strategy strategy) {
   const double es = static_cast<double>(dtype_size(s.dtype));
   const double rb = static_cast<double>(s.d) * es, ab = static_cast<double>(s.d) * 4.0;
   const double lambda = k / n;
-  const double r = n * -std::expm1(-lambda);
+  const double r = touched_rows(s.n, s.k);
   const double r2 = n * (1.0 - std::exp(-lambda) * (1.0 + lambda));
   const double src_stream = k * rb * P::kNsPerByteStream;
   if (strategy == Strategy::direct) {
@@ -151,23 +157,29 @@ double estimate_ns(const AddShape& s, Strategy strategy) {
          2.0 * r * rb * P::kNsPerByteStream;
 }
 
+DirectSplit direct_split(const AddShape& s, const Options& o, bool sorted) {
+  const double bytes = static_cast<double>(s.k) * static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * 3.0;
+  DirectSplit split{s.d == 0 ? 1 : threads_for(o, bytes), false, false};
+  const int nt = split.threads;
+  split.columns = nt > 1 && s.d * static_cast<int64_t>(dtype_size(s.dtype)) >= nt * P::kMinColumnShareBytes;
+  split.rows = nt > 1 && !split.columns && !sorted && direct_row_split_pays(s, nt);
+  if (nt > 1 && !split.columns && !split.rows && !sorted) split.threads = 1;  // one thread walks alone
+  return split;
+}
+
 double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
   const double one = estimate_ns(s, strategy);
   if (threads <= 1) return one;
   Options o;
   o.num_threads = threads;
   const double es = static_cast<double>(dtype_size(s.dtype)), d = static_cast<double>(s.d), k = static_cast<double>(s.k);
-  if (strategy == Strategy::direct) {  // the threads run_direct takes, and whether they divide the walk
-    const int nt = threads_for(o, k * d * es * 3.0);
-    const double share = d * es / std::max(nt, 1);
-    const bool columns = nt > 1 && share >= static_cast<double>(P::kMinColumnShareBytes);
-    const bool rows = nt > 1 && !columns && direct_row_split_pays(s, nt);
-    return (rows || (columns && share >= static_cast<double>(P::kColumnShareScalesBytes))) ? one / nt : one;
+  if (strategy == Strategy::direct) {  // divided only by a row split or wide column shares
+    const DirectSplit split = direct_split(s, o, false);
+    const bool divides = split.rows || (split.columns && d * es / split.threads >= static_cast<double>(P::kColumnShareScalesBytes));
+    return divides ? one / split.threads : one;
   }
   // A plan's rows divide over the threads (each row summed by one); its sort runs on one.
-  const double lambda = k / static_cast<double>(std::max<int64_t>(s.n, 1));
-  const double r = static_cast<double>(std::max<int64_t>(s.n, 1)) * -std::expm1(-lambda);
-  const int nt = threads_for(o, (k + static_cast<double>(P::kRowCost) * r) * d * es);
+  const int nt = threads_for(o, (k + static_cast<double>(P::kRowCost) * touched_rows(s.n, s.k)) * d * es);
   const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
   const double sort = std::min(one, std::max(plan_ns(s.n, s.k, radix), k * P::kSerialSortNsPerEntry));
   return sort + (one - sort) / nt;

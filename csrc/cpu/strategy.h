@@ -31,6 +31,15 @@ Strategy choose_add(const AddShape& s, const Options& o, bool sorted = false);
 // Estimated nanoseconds of each strategy for the shape, single thread (for the benchmark's
 // report and the tests of the chooser).
 double estimate_ns(const AddShape& s, Strategy strategy);
+// How run_direct divides its walk: the threads it takes (threads_for, and one when no split
+// pays), whether they split the columns (each at least CpuPolicy::kMinColumnShareBytes of every
+// row) or the rows (direct_row_split_pays; never for a sorted index, whose runs split by
+// themselves).
+struct DirectSplit {
+  int threads;
+  bool columns, rows;
+};
+DirectSplit direct_split(const AddShape& s, const Options& o, bool sorted);
 // The same on up to `threads` threads, as each strategy divides its work: a plan's rows over the
 // threads threads_for gives them (its sort on one), the direct walk only where run_direct splits
 // its rows, or its columns in shares of CpuPolicy::kColumnShareScalesBytes or more (narrower

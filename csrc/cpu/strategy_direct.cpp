@@ -109,11 +109,9 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   const bool weighted = w != nullptr;
 
   // Threads and the split, decided before the index pass so that it counts what the split needs.
-  const double bytes = static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es) * 3.0;
-  int nt = d == 0 ? 1 : threads_for(o, bytes);
-  const bool split_columns = nt > 1 && d * static_cast<int64_t>(es) >= nt * CpuPolicy::kMinColumnShareBytes;
-  const bool split_rows = nt > 1 && !split_columns && !first.sorted && direct_row_split_pays({n, k, d, out.dtype}, nt);
-  if (nt > 1 && !split_columns && !split_rows && !first.sorted) nt = 1;  // one thread walks alone
+  const DirectSplit split = direct_split({n, k, d, out.dtype}, o, first.sorted);
+  const int nt = split.threads;
+  const bool split_columns = split.columns, split_rows = split.rows;
   const int shift = block_shift_for(n);
 
   if (d == 0 || first.kept == 0) return;
