@@ -37,6 +37,10 @@ struct Avx512F32 {
   static void store_acc(float* p, vec v) { _mm512_storeu_ps(p, v); }
   static vec load_acc_part(const float* p, int64_t m) { return _mm512_maskz_loadu_ps(mask16(m), p); }
   static void store_acc_part(float* p, vec v, int64_t m) { _mm512_mask_storeu_ps(p, mask16(m), v); }
+  static void store_lanes(float* p, vec v, uint64_t lanes) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>(lanes), v); }
+  static uint64_t differ(const float* a, const float* b) {
+    return _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b));
+  }
 };
 
 struct Avx512F64 {
@@ -57,6 +61,10 @@ struct Avx512F64 {
   static void store_acc(double* p, vec v) { _mm512_storeu_pd(p, v); }
   static vec load_acc_part(const double* p, int64_t m) { return _mm512_maskz_loadu_pd(mask8(m), p); }
   static void store_acc_part(double* p, vec v, int64_t m) { _mm512_mask_storeu_pd(p, mask8(m), v); }
+  static void store_lanes(double* p, vec v, uint64_t lanes) { _mm512_mask_storeu_pd(p, static_cast<__mmask8>(lanes), v); }
+  static uint64_t differ(const double* a, const double* b) {
+    return _mm512_cmpneq_epi64_mask(_mm512_loadu_si512(a), _mm512_loadu_si512(b));
+  }
 };
 
 // float32 -> bf16 in integer arithmetic: round to nearest even, subnormals kept, NaN -> 0x7FC0
@@ -100,6 +108,9 @@ struct Avx512BF16 : Avx512F32 {
   static void store(uint16_t* p, vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
   static vec load_part(const uint16_t* p, int64_t m) { return widen(_mm256_maskz_loadu_epi16(mask16(m), p)); }
   static void store_part(uint16_t* p, vec v, int64_t m) { _mm256_mask_storeu_epi16(p, mask16(m), narrow(v)); }
+  static void store_lanes(uint16_t* p, vec v, uint64_t lanes) {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(lanes), narrow(v));
+  }
 };
 
 struct Avx512F16 : Avx512F32 {
@@ -122,6 +133,9 @@ struct Avx512F16 : Avx512F32 {
   static void store(uint16_t* p, vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
   static vec load_part(const uint16_t* p, int64_t m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16(m), p)); }
   static void store_part(uint16_t* p, vec v, int64_t m) { _mm256_mask_storeu_epi16(p, mask16(m), narrow(v)); }
+  static void store_lanes(uint16_t* p, vec v, uint64_t lanes) {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(lanes), narrow(v));
+  }
 };
 
 }  // namespace

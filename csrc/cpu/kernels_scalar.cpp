@@ -1,6 +1,7 @@
 // Portable row kernels: one element per "register", compiled with no ISA flags. The fallback on
 // any x86-64 CPU, and the reference path the SIMD levels are tested against.
 #include <cmath>
+#include <cstring>
 
 #include "convert.h"
 #include "row_kernels.h"
@@ -29,6 +30,10 @@ struct ScalarOps {
   static void store_acc(Acc* p, vec v) { *p = v; }
   static vec load_acc_part(const Acc* p, int64_t) { return *p; }
   static void store_acc_part(Acc* p, vec v, int64_t) { *p = v; }
+  static void store_lanes(S* p, vec v, uint64_t lanes) {
+    if (lanes & 1) store(p, v);
+  }
+  static uint64_t differ(const Acc* a, const Acc* b) { return std::memcmp(a, b, sizeof(Acc)) != 0; }
 };
 
 }  // namespace

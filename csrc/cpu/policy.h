@@ -34,6 +34,9 @@ struct CpuPolicy {
   // (a plan of about a million entries), so each thread that makes planned calls may hold that
   // much between them; a larger plan, or one whose build failed, is released.
   static constexpr int64_t kKeptPlanBytes = 32 << 20;
+  // The same for the direct walk's float32 scratch, its snapshot and its row marks and bitmaps
+  // (one column of 2M bf16 rows, or 32 columns of 64k rows).
+  static constexpr int64_t kKeptScratchBytes = 32 << 20;
   // Work split: a destination row costs (its contributions + kRowCost) row-transfers, since the
   // row is read and written once. Split points inside a row fall on kColumnAlign elements
   // (128 B of bf16, a multiple of every vector width) so threads never share a cache line

@@ -14,6 +14,7 @@
 // element has one owner and one summation order. Otherwise one thread walks alone.
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <vector>
 
@@ -47,6 +48,69 @@ bool has_nan16(const Matrix& m) {
   }
   return false;
 }
+
+// A buffer that the calling thread keeps for its next direct walk. Its contents are not kept: a
+// call writes or clears what it reads. A new float32 scratch is pages the kernel maps and zeroes on
+// every call: bf16 D = 1, N = K = 1M, one thread, allocation and copy in 3.4 ms of a 9.5 ms call
+// with new buffers, 0.6 ms with kept ones.
+template <class T>
+class Kept {
+ public:
+  T* get(size_t n) {
+    if (n > size_) {
+      release();
+      data_.reset(new T[n]);
+      size_ = n;
+    }
+    return data_.get();
+  }
+  T* zeroed(size_t n) {
+    T* p = get(n);
+    std::memset(p, 0, n * sizeof(T));
+    return p;
+  }
+  size_t bytes() const { return size_ * sizeof(T); }
+  void release() {
+    data_.reset();
+    size_ = 0;
+  }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  size_t size_ = 0;
+};
+
+// The direct walk's buffers in this thread, released at the end of a call when they hold more
+// than CpuPolicy::kKeptScratchBytes in all (or when the call throws, out of memory part way).
+struct KeptScratch {
+  Kept<uint64_t> seen, bits;
+  Kept<int64_t> slot_base;
+  Kept<float> acc, snapshot;
+  Kept<uint8_t> marks;
+  size_t bytes() const {
+    return seen.bytes() + bits.bytes() + slot_base.bytes() + acc.bytes() + snapshot.bytes() + marks.bytes();
+  }
+  void release() {
+    seen.release();
+    bits.release();
+    slot_base.release();
+    acc.release();
+    snapshot.release();
+    marks.release();
+  }
+};
+
+class KeptScratchUse {
+ public:
+  explicit KeptScratchUse(KeptScratch& k) : k_(k) {}
+  ~KeptScratchUse() {
+    if (std::uncaught_exceptions() > entered_ || k_.bytes() > static_cast<size_t>(CpuPolicy::kKeptScratchBytes)) k_.release();
+  }
+
+ private:
+  KeptScratch& k_;
+  int entered_ = std::uncaught_exceptions();
+};
 
 // The fields every direct walk sets: the views, the weights, ignore_index.
 DirectJob job_for(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
@@ -127,20 +191,23 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // trip bit for bit, so a touched row is one whose sum differs from a snapshot of the scratch
   // taken as it was filled (a row whose sum equals it rounds back to its own bits and is left
   // alone; a row no entry names is never written). There a mark, a store to a second random
-  // line per entry, doubled the time (N = 100k, K = 1M, D = 1 bf16: 3.7-5.5 ms with marks,
-  // 2.3-3.2 ms with the snapshot); for wider rows, and for a column larger than the caches (N =
-  // 1M: 8.8-9.4 ms with marks, 12-13 with the snapshot), the snapshot's extra copy and compare
-  // cost more than the marks save. Sparse needs the rows that repeat (bits), and has nothing
-  // to do when none does.
+  // line per entry, cost more than the snapshot's copy and vector compare (K = 1M, D = 1 bf16,
+  // one thread, marks -> snapshot: N = 100k 5.0-5.1 -> 2.5 ms, N = 300k 4.2-4.3 -> 2.1-2.8
+  // ms, N = 1M 6.2-7.0 -> 4.5-5.1 ms). For wider rows the snapshot's copy and compare cost more
+  // than the marks save. Sparse needs the rows that repeat (bits), and has nothing to do when
+  // none does.
   const bool dense = narrow && n <= k;
   const bool prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
                         static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
-  const bool exact = dense && d == 1 && !prefetch && !has_nan16(out);
+  const bool exact = dense && d == 1 && !has_nan16(out);
   const bool mark_in_pass = dense && split_columns && !exact;
-  std::vector<uint64_t> seen(narrow ? static_cast<size_t>((n + 63) / 64) : 0), bits(narrow && !dense ? seen.size() : 0);
+  thread_local KeptScratch kept;
+  const KeptScratchUse use(kept);
+  const int64_t words = narrow ? (n + 63) / 64 : 0;
+  uint64_t* const seen = kept.seen.zeroed(static_cast<size_t>(words));
+  uint64_t* const bits = narrow && !dense ? kept.bits.zeroed(static_cast<size_t>(words)) : nullptr;
   IndexScan scan = first;
-  if (narrow && (!dense || mark_in_pass))
-    scan = scan_index(index, n, o.ignore_index, seen.data(), dense ? nullptr : bits.data());
+  if (narrow && (!dense || mark_in_pass)) scan = scan_index(index, n, o.ignore_index, seen, bits);
   // Row split: entries per block of rows, from a sample of the index (a split never changes the
   // bits, only who computes which rows, so an estimate of the balance is enough).
   std::vector<int64_t> blocks(split_rows ? static_cast<size_t>((n >> shift) + 1) : 0);
@@ -164,16 +231,13 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   job.prefetch = prefetch;
 
   const bool scratch = dense || (narrow && scan.repeated > 0);
-  std::vector<uint8_t> marks(dense && !mark_in_pass && !exact ? static_cast<size_t>(n) : 0);
-  std::vector<int64_t> slot_base;
-  std::vector<float> acc;
-  std::unique_ptr<float[]> snapshot;  // filled by the copy in: no zeroing first
+  uint8_t* const marks = dense && !mark_in_pass && !exact ? kept.marks.zeroed(static_cast<size_t>(n)) : nullptr;
+  int64_t* const slot_base = scratch && !dense ? kept.slot_base.get(static_cast<size_t>(words)) : nullptr;
   if (scratch) {
     int64_t slots = n;
     if (!dense) {
-      slot_base.resize(bits.size());
       slots = 0;
-      for (size_t i = 0; i < bits.size(); ++i) {
+      for (int64_t i = 0; i < words; ++i) {
         slot_base[i] = slots;
         slots += popcount64(bits[i]);
       }
@@ -185,20 +249,15 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     job.scratch_stride = split_columns ? (d + kLine - 1) / kLine * kLine : d;
     const size_t floats = static_cast<size_t>(slots * job.scratch_stride + kLine);  // room to align
     auto on_line = [](float* p) { return p + (kLine - (reinterpret_cast<uintptr_t>(p) / sizeof(float)) % kLine) % kLine; };
-    acc.resize(floats);
-    job.scratch = on_line(acc.data());
-    if (exact) {
-      snapshot.reset(new float[floats]);
-      job.scratch_orig = on_line(snapshot.get());
-    }
-    job.slot_bits = dense ? nullptr : bits.data();
-    job.slot_base = dense ? nullptr : slot_base.data();
-    job.mark_rows = marks.empty() ? nullptr : marks.data();
+    job.scratch = on_line(kept.acc.get(floats));  // the copy in fills every slot that is read
+    if (exact) job.scratch_orig = on_line(kept.snapshot.get(floats));
+    job.slot_bits = bits;
+    job.slot_base = slot_base;
+    job.mark_rows = marks;
   }
   const KernelTable& kt = active_kernels();
   const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
   const ScratchFn copy = scratch ? kt.scratch_copy[di] : nullptr;
-  const int64_t words = static_cast<int64_t>(seen.size());
 
   // Row split: block boundaries at equal shares of the kept entries (plus one per block, so that
   // an index concentrated in few blocks still spreads the rows).
@@ -239,10 +298,10 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     if (scratch) {
       mine.scratch = static_cast<float*>(job.scratch) + c0;
       if (job.scratch_orig != nullptr) mine.scratch_orig = static_cast<float*>(job.scratch_orig) + c0;
-      copy(mine, dense ? nullptr : bits.data(), w0, w1, c0, c1, false);
+      copy(mine, bits, w0, w1, c0, c1, false);
     }
     add(mine, 0, k, c0, c1);
-    if (!marks.empty()) {  // this thread's rows (whole words: blocks are multiples of 64 rows)
+    if (marks != nullptr) {  // this thread's rows (whole words: blocks are multiples of 64 rows)
       for (int64_t wd = w0; wd < w1; ++wd) {
         uint64_t word = 0;
         if (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && (wd + 1) * 64 <= n) {
@@ -250,16 +309,16 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
           // with no carries, since every partial product lands on a bit of its own.
           for (int g = 0; g < 8; ++g) {
             uint64_t eight;
-            std::memcpy(&eight, marks.data() + wd * 64 + g * 8, 8);
+            std::memcpy(&eight, marks + wd * 64 + g * 8, 8);
             word |= ((eight * 0x0102040810204080ull) >> 56) << (8 * g);
           }
         } else {
-          for (int64_t b = 0, r = wd * 64; r < n; ++b, ++r) word |= uint64_t(marks[static_cast<size_t>(r)]) << b;
+          for (int64_t b = 0, r = wd * 64; r < n; ++b, ++r) word |= uint64_t(marks[r]) << b;
         }
-        seen[static_cast<size_t>(wd)] = word;
+        seen[wd] = word;
       }
     }
-    if (scratch) copy(mine, exact ? nullptr : dense ? seen.data() : bits.data(), w0, w1, c0, c1, true);
+    if (scratch) copy(mine, exact ? nullptr : dense ? seen : bits, w0, w1, c0, c1, true);
   });
 }
 

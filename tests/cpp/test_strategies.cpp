@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <xmmintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -15,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "dispatch.h"
 #include "strategy.h"
 #include "test_util.h"
 
@@ -188,7 +190,8 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
 // bf16/fp16 rows pass through a float32 scratch, and the way back makes every NaN the canonical
 // one: untouched rows holding other NaN payloads (signalling, negative, with payload bits) must
 // keep their bits, touched ones get the contract's rounding. Dense and sparse scratch, one column
-// and rows wide enough for threads to split them by columns.
+// and rows wide enough for threads to split them by columns; each after a call that touched every
+// row (the scratch buffers a thread keeps between calls must not remember it).
 TEST(Strategies, NaNPayloadsOfUntouchedRowsKeepTheirBits) {
   uint64_t seed = 700;
   struct Shape {
@@ -197,7 +200,7 @@ TEST(Strategies, NaNPayloadsOfUntouchedRowsKeepTheirBits) {
   for (DType t : {DType::bf16, DType::f16}) {
     const std::vector<uint16_t> nans = t == DType::bf16 ? std::vector<uint16_t>{0x7F81, 0xFFC1, 0x7FC0, 0xFFFF}
                                                         : std::vector<uint16_t>{0x7C01, 0xFE01, 0x7E00, 0xFFFF};
-    for (Shape sh : {Shape{64, 300, 1}, Shape{64, 300, 2}, Shape{64, 300, 300}, Shape{4000, 300, 3}})
+    for (Shape sh : {Shape{64, 300, 1}, Shape{64, 300, 2}, Shape{64, 300, 300}, Shape{64, 300, 1100}, Shape{4000, 300, 3}})
       for (sa::Strategy st : kStrategies)
         for (int threads : {1, 2}) {
           std::mt19937_64 rng(seed++);
@@ -214,6 +217,14 @@ TEST(Strategies, NaNPayloadsOfUntouchedRowsKeepTheirBits) {
           sa::Options opt;
           opt.strategy = st;
           opt.num_threads = threads;
+          {  // a call just before, in this thread, that names every row: none of it may carry over
+            std::vector<int64_t> all(static_cast<size_t>(sh.n));
+            for (int64_t r = 0; r < sh.n; ++r) all[static_cast<size_t>(r)] = sh.n - 1 - r;  // not sorted
+            const Idx every = make_idx(IndexType::i32, all);
+            Buf other = out0;
+            const Buf ones = special_buf(t, static_cast<size_t>(sh.n * sh.d), rng);
+            sa::index_add_rows(mat(other, sh.n, sh.d, sh.d), every.view(), cmat(ones, sh.n, sh.d, sh.d), {}, opt);
+          }
           sa::index_add_rows(mat(out, sh.n, sh.d, sh.d), idx.view(), cmat(src, sh.k, sh.d, sh.d), {}, opt);
           for (size_t e = 0; e < out.size(); ++e)
             ASSERT_EQ(reinterpret_cast<const uint16_t*>(out.data())[e], reinterpret_cast<const uint16_t*>(want.data())[e])
@@ -255,11 +266,13 @@ TEST(Strategies, UntouchedSubnormalsSurviveFlushDenormalMode) {
 
 // Two threads updating disjoint rows of one bf16/fp16 output at the same time: each call writes
 // back only the rows its index names, so every update lands (a dense scratch that wrote every row
-// back would restore the other thread's rows to what it had read).
+// back, or a vector store that wrote a neighbour's lane back, would restore the other thread's
+// rows to what it had read). The threads start together and interleave rows (even and odd), so
+// every vector of rows is written by both.
 TEST(Strategies, ConcurrentCallsOnDisjointRowsAllLand) {
   for (DType t : {DType::bf16, DType::f16})
     for (int64_t d : {1, 8}) {
-      const int64_t n = 4096, k = 2 * n, calls = 20;
+      const int64_t n = 4096, k = 2 * n, calls = 100;
       Buf out(t, static_cast<size_t>(n * d));
       for (size_t e = 0; e < out.size(); ++e) out.set(e, 0.0);
       Buf src(t, static_cast<size_t>(k * d));
@@ -270,10 +283,13 @@ TEST(Strategies, ConcurrentCallsOnDisjointRowsAllLand) {
         for (int64_t i = 0; i < k; ++i) iv.push_back((i % (n / 2)) * 2 + p);  // rows of parity p, four times
         idx.push_back(make_idx(IndexType::i64, iv));
       }
+      std::atomic<int> ready{0};
       auto work = [&](int p) {
         sa::Options opt;
         opt.strategy = sa::Strategy::direct;
         opt.num_threads = 1;
+        ready.fetch_add(1);
+        while (ready.load() < 2) std::this_thread::yield();
         for (int64_t c = 0; c < calls; ++c)
           sa::index_add_rows(mat(out, n, d, d), idx[static_cast<size_t>(p)].view(), cmat(src, k, d, d), {}, opt);
       };
@@ -282,6 +298,45 @@ TEST(Strategies, ConcurrentCallsOnDisjointRowsAllLand) {
       b.join();
       for (size_t e = 0; e < out.size(); ++e)
         ASSERT_EQ(out.get(e), 4.0 * calls) << sa::dtype_name(t) << " D=" << d << " element " << e;
+    }
+}
+
+// The copy back of a one-column scratch writes exactly the rows it is given (marked, or whose sum
+// differs from the snapshot) and no neighbour in the same vector: another call may be updating
+// that neighbour, so even its own value written back could undo the other call's write. Here out
+// holds a sentinel that no scratch value rounds to, so any extra write shows.
+TEST(Strategies, ScratchCopyBackWritesOnlyItsRows) {
+  const sa::cpu::KernelTable& kt = sa::cpu::active_kernels();
+  for (DType t : {DType::bf16, DType::f16})
+    for (bool snapshot : {false, true}) {
+      const int64_t n = 150;  // three words, the last partial; vectors whole and partial
+      std::vector<float> acc(static_cast<size_t>(n)), orig(static_cast<size_t>(n));
+      std::vector<uint64_t> rows(3, 0);
+      std::vector<bool> write(static_cast<size_t>(n));
+      for (int64_t r = 0; r < n; ++r) {
+        acc[static_cast<size_t>(r)] = 1.0f + static_cast<float>(r);
+        write[static_cast<size_t>(r)] = (r * 7) % 3 == 0 || r % 16 == 5 || (r >= 32 && r < 48);
+        orig[static_cast<size_t>(r)] = acc[static_cast<size_t>(r)] + (write[static_cast<size_t>(r)] ? 0.5f : 0.0f);
+        if (write[static_cast<size_t>(r)]) rows[static_cast<size_t>(r >> 6)] |= uint64_t(1) << (r & 63);
+      }
+      const uint16_t sentinel = 0x7BCD;  // bf16 about 2e36, fp16 64928: no acc value rounds to it
+      std::vector<uint16_t> out(static_cast<size_t>(n), sentinel);
+      sa::cpu::DirectJob job{};
+      job.out = out.data();
+      job.out_stride = 1;
+      job.scratch = acc.data();
+      job.scratch_stride = 1;
+      job.row_lo = 0;
+      job.row_hi = n;
+      job.scratch_orig = snapshot ? orig.data() : nullptr;
+      kt.scratch_copy[static_cast<int>(t)](job, snapshot ? nullptr : rows.data(), 0, 3, 0, 1, true);
+      for (int64_t r = 0; r < n; ++r) {
+        Buf want(t, 1);
+        want.set(0, acc[static_cast<size_t>(r)]);
+        const uint16_t expect = write[static_cast<size_t>(r)] ? reinterpret_cast<const uint16_t*>(want.data())[0] : sentinel;
+        ASSERT_EQ(out[static_cast<size_t>(r)], expect)
+            << sa::dtype_name(t) << (snapshot ? " snapshot" : " marked") << " row " << r;
+      }
     }
 }
 
