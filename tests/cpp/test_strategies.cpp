@@ -187,6 +187,34 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   EXPECT_FALSE(sa::cpu::direct_row_split_pays({100000, 1000000, 1, DType::f32}, 2));
 }
 
+// One column of an output larger than the caches (rows prefetched ahead of the walk): the direct
+// walk's column kernels, in place (float32/float64) and through a dense or sparse scratch (bf16,
+// fp16), against the reference.
+TEST(Strategies, OneColumnOfALargeOutputGivesTheContractBits) {
+  uint64_t seed = 900;
+  for (DType t : kDtypes)
+    for (int64_t k : {int64_t(200000), int64_t(600000)})  // N > K: sparse scratch; N <= K: dense
+      for (bool weighted : {false, true}) {
+        const int64_t n = 560000;  // 1 MiB and more of bf16: prefetched
+        std::mt19937_64 rng(seed++);
+        const Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
+        const Buf src = special_buf(t, static_cast<size_t>(k), rng);
+        std::vector<int64_t> iv = make_indices(seed % 2 ? Pattern::zipf : Pattern::uniform, n, k, rng);
+        for (int64_t i = 0; i < k; i += 9) iv[static_cast<size_t>(i)] = -1;
+        const Idx idx = make_idx(IndexType::i32, iv);
+        const std::vector<float> w = special_weights(k, rng);
+        Buf want = out0;
+        reference_add(want, n, 1, 1, src, 1, iv, weighted ? w.data() : nullptr, int64_t(-1));
+        Buf out = out0;
+        sa::Options opt;
+        opt.strategy = sa::Strategy::direct;
+        opt.ignore_index = -1;
+        sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(src, k, 1, 1), {weighted ? w.data() : nullptr, k, DType::f32},
+                           opt);
+        ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " K=" << k << (weighted ? " weighted" : "");
+      }
+}
+
 // bf16/fp16 rows pass through a float32 scratch, and the way back makes every NaN the canonical
 // one: untouched rows holding other NaN payloads (signalling, negative, with payload bits) must
 // keep their bits, touched ones get the contract's rounding. Dense and sparse scratch, one column
