@@ -37,6 +37,13 @@ struct CpuPolicy {
   // The same for the direct walk's float32 scratch, its snapshot and its row marks and bitmaps
   // (one column of 2M bf16 rows, or 32 columns of 64k rows).
   static constexpr int64_t kKeptScratchBytes = 32 << 20;
+  // bf16/fp16, a slot per row: rows of up to this many columns find the rows to write back by
+  // comparing the scratch with a snapshot rather than by marking rows as they are added. K = 1M,
+  // one thread, thread CPU time, marks -> snapshot: D = 1 N = 100k 5.0-5.1 -> 2.5 ms, N = 300k
+  // 4.2-4.3 -> 2.1-2.8 ms, N = 1M 6.2-7.0 -> 4.5-5.1 ms; best of six alternated runs, D = 2 N =
+  // 1M 0.69-0.73x of the time, N = 100k 0.75x, N = 4096 K = 65536 0.82x; D = 3 0.81-0.88x; D = 4
+  // 0.95-1.18x and D = 8, 16 0.98-1.06x (no gain).
+  static constexpr int64_t kSnapshotMaxCols = 3;
   // Work split: a destination row costs (its contributions + kRowCost) row-transfers, since the
   // row is read and written once. Split points inside a row fall on kColumnAlign elements
   // (128 B of bf16, a multiple of every vector width) so threads never share a cache line

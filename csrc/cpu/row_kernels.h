@@ -601,8 +601,10 @@ struct RowKernels {
     A* acc = static_cast<A*>(j.scratch);
     A* orig = static_cast<A*>(j.scratch_orig);
     const int64_t m = c1 - c0;
-    if (W > 1 && m == 1 && j.out_stride == 1 && j.scratch_stride == 1 && j.slot_base == nullptr) {
-      scratch_copy_column(j, out, acc, rows, w0, w1, to_out);
+    // Rows of m elements back to back in out and in a dense scratch: one span of elements (whose
+    // marks, when there are marks, must be one per element: m = 1).
+    if (W > 1 && j.out_stride == m && j.scratch_stride == m && j.slot_base == nullptr && (m == 1 || rows == nullptr)) {
+      scratch_copy_flat(j, out, acc, rows, w0, w1, m, to_out);
       return;
     }
     for (int64_t wd = w0; wd < w1; ++wd) {
@@ -655,46 +657,48 @@ struct RowKernels {
     }
   }
 
-  // scratch_copy for one contiguous column with a slot per row (D = 1): W rows per vector, each
-  // vector rounded at once and stored in the lanes of the rows to write (a mask store; element by
-  // element, 2.2 ms of a 9.5 ms call at N = K = 1M bf16, one thread).
-  static void scratch_copy_column(const DirectJob& j, T* out, A* acc, const uint64_t* rows, int64_t w0, int64_t w1,
-                                  bool to_out) {
+  // scratch_copy for rows of m elements back to back, a slot per row: W elements per vector, each
+  // vector rounded at once and stored in the lanes to write (a mask store; element by element,
+  // 2.2 ms of a 9.5 ms call at N = K = 1M, D = 1 bf16, one thread). Back to out: the rows marked
+  // (m = 1), or the elements whose sum differs from the snapshot, compared as bit patterns (an
+  // element whose sum equals it rounds back to its own bits, so leaving it is the same as writing
+  // it, and the rows no entry names are never written).
+  static void scratch_copy_flat(const DirectJob& j, T* out, A* acc, const uint64_t* rows, int64_t w0, int64_t w1,
+                                int64_t m, bool to_out) {
     const int64_t lo = std::max(j.row_lo, w0 * 64), hi = std::min(j.row_hi, w1 * 64);
+    if (hi <= lo) return;
+    const int64_t e0 = lo * m, e1 = hi * m;  // elements; e0 is a multiple of 64 (or 0)
     A* orig = static_cast<A*>(j.scratch_orig);
-    if (!to_out || (rows == nullptr && orig == nullptr)) {  // every row of [lo, hi)
-      if (hi > lo) copy_span(out + lo, acc + lo, hi - lo, to_out);
-      if (!to_out && orig != nullptr && hi > lo)
-        std::memcpy(orig + lo, acc + lo, static_cast<size_t>(hi - lo) * sizeof(A));
+    if (!to_out || (rows == nullptr && orig == nullptr)) {  // every element
+      copy_span(out + e0, acc + e0, e1 - e0, to_out);
+      if (!to_out && orig != nullptr) std::memcpy(orig + e0, acc + e0, static_cast<size_t>(e1 - e0) * sizeof(A));
       return;
     }
-    // Back to out: the marked rows, or the rows whose sum differs from the snapshot (compared as
-    // bit patterns). Vectors start at lo, a multiple of 64 (or of W from the first row).
     constexpr uint64_t kAll = W >= 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
-    for (int64_t r = lo; r < hi; r += W) {
+    for (int64_t e = e0; e < e1; e += W) {
       uint64_t b;
-      if (rows != nullptr) {
-        b = (rows[r >> 6] >> (r & 63)) & kAll;
-      } else if (r + W <= hi) {
-        b = Ops::differ(acc + r, orig + r);
+      if (rows != nullptr) {  // m = 1: element e is row e
+        b = (rows[e >> 6] >> (e & 63)) & kAll;
+      } else if (e + W <= e1) {
+        b = Ops::differ(acc + e, orig + e);
       } else {
         b = 0;
-        for (int64_t q = 0; q < hi - r; ++q) b |= uint64_t(std::memcmp(acc + r + q, orig + r + q, sizeof(A)) != 0) << q;
+        for (int64_t q = 0; q < e1 - e; ++q) b |= uint64_t(std::memcmp(acc + e + q, orig + e + q, sizeof(A)) != 0) << q;
       }
       if (b == 0) continue;
-      if (r + W <= hi) {
+      if (e + W <= e1) {
         if (b == kAll)
-          Ops::store(out + r, Ops::load_acc(acc + r));
+          Ops::store(out + e, Ops::load_acc(acc + e));
         else
-          Ops::store_lanes(out + r, Ops::load_acc(acc + r), b);
+          Ops::store_lanes(out + e, Ops::load_acc(acc + e), b);
         continue;
       }
-      b &= (uint64_t(1) << (hi - r)) - 1;  // the last, partial vector
+      b &= (uint64_t(1) << (e1 - e)) - 1;  // the last, partial vector
       T lanes[W];
-      Ops::store_part(lanes, Ops::load_acc_part(acc + r, hi - r), hi - r);
+      Ops::store_part(lanes, Ops::load_acc_part(acc + e, e1 - e), e1 - e);
       for (; b != 0; b &= b - 1) {
         const int q = __builtin_ctzll(b);
-        out[r + q] = lanes[q];
+        out[e + q] = lanes[q];
       }
     }
   }

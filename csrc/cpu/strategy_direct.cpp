@@ -187,19 +187,18 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // bf16/fp16: a float32 scratch. Dense (a slot per row, n <= k: every slot pays for itself)
   // copies every row in, and back only the rows the adds touched, which they mark as they go
   // (or, when threads split the columns and so share the marks, a marking pass does first).
-  // One column with no NaN in out needs no marks: every other value survives the float32 round
-  // trip bit for bit, so a touched row is one whose sum differs from a snapshot of the scratch
-  // taken as it was filled (a row whose sum equals it rounds back to its own bits and is left
-  // alone; a row no entry names is never written). There a mark, a store to a second random
-  // line per entry, cost more than the snapshot's copy and vector compare (K = 1M, D = 1 bf16,
-  // one thread, marks -> snapshot: N = 100k 5.0-5.1 -> 2.5 ms, N = 300k 4.2-4.3 -> 2.1-2.8
-  // ms, N = 1M 6.2-7.0 -> 4.5-5.1 ms). For wider rows the snapshot's copy and compare cost more
-  // than the marks save. Sparse needs the rows that repeat (bits), and has nothing to do when
-  // none does.
+  // Rows of at most kSnapshotMaxCols columns, back to back, with no NaN in out need no marks:
+  // every other value survives the float32 round trip bit for bit, so the elements to write back
+  // are those whose sum differs from a snapshot of the scratch taken as it was filled (an element
+  // whose sum equals it rounds back to its own bits; a row no entry names is never written).
+  // There a mark, a store to a second random line per entry, costs more than the snapshot's copy
+  // and vector compare (see CpuPolicy::kSnapshotMaxCols). Sparse needs the rows that repeat
+  // (bits), and has nothing to do when none does.
   const bool dense = narrow && n <= k;
   const bool prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
                         static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
-  const bool exact = dense && d == 1 && !has_nan16(out);
+  const bool exact = dense && d <= CpuPolicy::kSnapshotMaxCols && (d == 1 || out.row_stride == d) && !split_columns &&
+                     !has_nan16(out);
   const bool mark_in_pass = dense && split_columns && !exact;
   thread_local KeptScratch kept;
   const KeptScratchUse use(kept);

@@ -329,43 +329,57 @@ TEST(Strategies, ConcurrentCallsOnDisjointRowsAllLand) {
     }
 }
 
-// The copy back of a one-column scratch writes exactly the rows it is given (marked, or whose sum
-// differs from the snapshot) and no neighbour in the same vector: another call may be updating
-// that neighbour, so even its own value written back could undo the other call's write. Here out
-// holds a sentinel that no scratch value rounds to, so any extra write shows.
+// The copy back of a dense scratch writes exactly the rows it is given (marked) or the elements
+// whose sum differs from the snapshot, and no neighbour in the same vector: another call may be
+// updating that neighbour, so even its own value written back could undo the other call's write.
+// Here out holds a sentinel that no scratch value rounds to, so any write outside the rows shows.
+// Rows of one column (marked or snapshot) and of three (snapshot), back to back.
 TEST(Strategies, ScratchCopyBackWritesOnlyItsRows) {
   const sa::cpu::KernelTable& kt = sa::cpu::active_kernels();
   for (DType t : {DType::bf16, DType::f16})
-    for (bool snapshot : {false, true}) {
-      const int64_t n = 150;  // three words, the last partial; vectors whole and partial
-      std::vector<float> acc(static_cast<size_t>(n)), orig(static_cast<size_t>(n));
-      std::vector<uint64_t> rows(3, 0);
-      std::vector<bool> write(static_cast<size_t>(n));
-      for (int64_t r = 0; r < n; ++r) {
-        acc[static_cast<size_t>(r)] = 1.0f + static_cast<float>(r);
-        write[static_cast<size_t>(r)] = (r * 7) % 3 == 0 || r % 16 == 5 || (r >= 32 && r < 48);
-        orig[static_cast<size_t>(r)] = acc[static_cast<size_t>(r)] + (write[static_cast<size_t>(r)] ? 0.5f : 0.0f);
-        if (write[static_cast<size_t>(r)]) rows[static_cast<size_t>(r >> 6)] |= uint64_t(1) << (r & 63);
+    for (int64_t d : {1, 3})
+      for (bool snapshot : {false, true}) {
+        if (d > 1 && !snapshot) continue;  // marks of wider rows take the row-by-row loop
+        const int64_t n = 150;  // three words, the last partial; vectors whole and partial
+        const size_t elems = static_cast<size_t>(n * d);
+        std::vector<float> acc(elems), orig(elems);
+        std::vector<uint64_t> rows(3, 0);
+        std::vector<bool> write(elems);
+        for (size_t e = 0; e < elems; ++e) {
+          const int64_t r = static_cast<int64_t>(e) / d;
+          acc[e] = 1.0f + static_cast<float>(e);
+          // marked: whole rows; snapshot: single elements too
+          const int64_t x = snapshot ? static_cast<int64_t>(e) : r;
+          write[e] = (x * 7) % 3 == 0 || x % 16 == 5 || (x >= 32 && x < 48);
+          orig[e] = acc[e] + (write[e] ? 0.5f : 0.0f);
+          if (write[e]) rows[static_cast<size_t>(r >> 6)] |= uint64_t(1) << (r & 63);
+        }
+        const uint16_t sentinel = 0x7BCD;  // bf16 about 2e36, fp16 64928: no acc value rounds to it
+        std::vector<uint16_t> out(elems, sentinel);
+        sa::cpu::DirectJob job{};
+        job.out = out.data();
+        job.out_stride = d;
+        job.scratch = acc.data();
+        job.scratch_stride = d;
+        job.row_lo = 0;
+        job.row_hi = n;
+        job.scratch_orig = snapshot ? orig.data() : nullptr;
+        kt.scratch_copy[static_cast<int>(t)](job, snapshot ? nullptr : rows.data(), 0, 3, 0, d, true);
+        for (size_t e = 0; e < elems; ++e) {
+          Buf want(t, 1);
+          want.set(0, acc[e]);
+          const uint16_t rounded = reinterpret_cast<const uint16_t*>(want.data())[0];
+          const int64_t r = static_cast<int64_t>(e) / d;
+          const bool row_written = (rows[static_cast<size_t>(r >> 6)] >> (r & 63)) & 1;
+          // An element of a written row whose sum did not change may be written or not (its own
+          // bits, in a real call); no element of another row may be.
+          if (write[e] || !row_written)
+            ASSERT_EQ(out[e], write[e] ? rounded : sentinel)
+                << sa::dtype_name(t) << " D=" << d << (snapshot ? " snapshot" : " marked") << " element " << e;
+          else
+            ASSERT_TRUE(out[e] == sentinel || out[e] == rounded) << sa::dtype_name(t) << " D=" << d << " element " << e;
+        }
       }
-      const uint16_t sentinel = 0x7BCD;  // bf16 about 2e36, fp16 64928: no acc value rounds to it
-      std::vector<uint16_t> out(static_cast<size_t>(n), sentinel);
-      sa::cpu::DirectJob job{};
-      job.out = out.data();
-      job.out_stride = 1;
-      job.scratch = acc.data();
-      job.scratch_stride = 1;
-      job.row_lo = 0;
-      job.row_hi = n;
-      job.scratch_orig = snapshot ? orig.data() : nullptr;
-      kt.scratch_copy[static_cast<int>(t)](job, snapshot ? nullptr : rows.data(), 0, 3, 0, 1, true);
-      for (int64_t r = 0; r < n; ++r) {
-        Buf want(t, 1);
-        want.set(0, acc[static_cast<size_t>(r)]);
-        const uint16_t expect = write[static_cast<size_t>(r)] ? reinterpret_cast<const uint16_t*>(want.data())[0] : sentinel;
-        ASSERT_EQ(out[static_cast<size_t>(r)], expect)
-            << sa::dtype_name(t) << (snapshot ? " snapshot" : " marked") << " row " << r;
-      }
-    }
 }
 
 // A sorted index whose ignored entries sit at its ends (padding before the first row and a
