@@ -54,6 +54,7 @@ test-python: hub
 TEST_CPP := test-cpp test-consumer test-sanitizers cuda
 TEST_PY := test-python test-python-venv-cuda bench-quick hub-no-python-h cuda-hub
 test:
+	@scripts/check_disk.sh
 	@scripts/install_deps.sh pkg-config $(SAN_DEPS)
 	@scripts/lanes.sh cpp '$(MAKE) $(TEST_CPP)' python '$(MAKE) $(TEST_PY)'
 
