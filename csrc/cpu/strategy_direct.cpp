@@ -66,7 +66,7 @@ class Kept {
   }
   T* zeroed(size_t n) {
     T* p = get(n);
-    std::memset(p, 0, n * sizeof(T));
+    if (n != 0) std::memset(p, 0, n * sizeof(T));  // p is null until a first non-empty get
     return p;
   }
   size_t bytes() const { return size_ * sizeof(T); }
