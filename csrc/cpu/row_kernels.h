@@ -139,6 +139,17 @@ struct RowKernels {
   // D = 256 N = K = 65536 9.1 -> 7.8 ms, D = 512 N = K = 32768 6.3 -> 5.6 ms; hot rows and rows
   // of one line within 4%.
   static constexpr int64_t kNearRowBytes = 1024;
+  // Longer rows stream kPrefetchCols ahead inside each row, which leaves the start of every
+  // source row and of the destination row to miss as the row begins. Their first kHeadBytes are
+  // prefetched kHeadAhead entries (sources) and rows (destination) ahead, across rows. Count
+  // plan, two threads, best of 6 alternated runs: bf16 D = 1024 N = 16384 K = 32768 (MoE top-2)
+  // 6.2 -> 5.2 ms, N = K = 65536 uniform 17.5 -> 15.1 ms (1.2-1.5x in earlier sets of runs);
+  // float32 top-2 D = 2048 1.05x, D = 4096 0.99x. Through the torch op, alternated with the
+  // build before: bf16 top-2 rows of 2-8 KiB 1.05-1.18x, D = 1024 uniform 1.36x, float32 rows of
+  // 2-16 KiB 0.97-1.08x. A head of kPrefetchCols elements (1 KiB of float32) instead: float32
+  // 0.94-1.05x; whole rows prefetched as for the shorter rows: 1.1x slower at D = 1024 bf16.
+  static constexpr int64_t kHeadBytes = 512;
+  static constexpr int64_t kHeadAhead = 2;
   static constexpr int64_t kPrefetchBytes = 2048;
   static constexpr int64_t kOutRowsAhead = 8;
   static constexpr int64_t kPrefetchAhead = 16;
@@ -269,14 +280,24 @@ struct RowKernels {
     const int64_t rb = (c1 - c0) * static_cast<int64_t>(sizeof(T));
     const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T), sb = static_cast<uint64_t>(j.src_stride) * sizeof(T);
     if (rb > kNearRowBytes || rb <= kLineBytes) {
-      // Long rows stream inside; rows of one line prefetch the first line of the source
-      // kPrefetchAhead entries ahead, across rows, and the destination row 4 rows ahead.
+      // Rows of one line prefetch the first line of the source kPrefetchAhead entries ahead,
+      // across rows, and the destination row 4 rows ahead. Long rows stream inside, and get a
+      // head start across rows (kHeadAhead).
       const bool one_line = rb <= kLineBytes;
+      const uint64_t head = static_cast<uint64_t>(std::min<int64_t>(rb, kHeadBytes));
+      int64_t next = j.offsets[r0];  // the first entry whose source's head is not prefetched yet
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t b = j.offsets[r];
-        if (one_line && r + 4 < r1) prefetch_at(out + c0, static_cast<uint64_t>(j.rows[r + 4]), ob, 1);
-        add_row<Weighted>(out + j.rows[r] * j.out_stride, src, j.src_stride, j.sources + b, j.offsets[r + 1] - b, w,
-                          c0, c1, !one_line, one_line ? j.num_sources - b - kPrefetchAhead : 0);
+        const int64_t b = j.offsets[r], e = j.offsets[r + 1];
+        if (one_line) {
+          if (r + 4 < r1) prefetch_at(out + c0, static_cast<uint64_t>(j.rows[r + 4]), ob, 1);
+        } else {
+          for (const int64_t until = std::min(std::min(e, b + kHeadAhead) + kHeadAhead, j.num_sources); next < until; ++next)
+            prefetch_lines_at(src + c0, static_cast<uint64_t>(j.sources[next]), sb, head);
+          next = std::max(next, e);
+          if (r + kHeadAhead < r1) prefetch_lines_at(out + c0, static_cast<uint64_t>(j.rows[r + kHeadAhead]), ob, head, 1);
+        }
+        add_row<Weighted>(out + j.rows[r] * j.out_stride, src, j.src_stride, j.sources + b, e - b, w, c0, c1,
+                          !one_line, one_line ? j.num_sources - b - kPrefetchAhead : 0);
       }
       return;
     }
