@@ -517,6 +517,49 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
     assert torch.equal(ys[int(ends[-1]):], torch.zeros_like(ys[int(ends[-1]):]))
 
 
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("profile", ["few_rows", "many_rows", "groups"])
+def test_inference_gathers_each_group_with_the_bits_of_one_gather(sa, monkeypatch, dtypes, profile):
+    """The no-grad loop given the hidden states and each pair's token gathers every gate group's
+    rows itself: the result equals the loop over the rows of one gather of every pair, bit for
+    bit (sentinel pairs included, hidden states of another dtype than the weights converted)."""
+    moe = sa.moe
+    h_dtype, w_dtype = dtypes
+    g = torch.Generator().manual_seed(11)
+    e_count, hidden, inter, tokens, k = 6, 64, 48, 40, 3
+    w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).to(w_dtype)
+    w_out = (0.2 * torch.randn(e_count, hidden, inter, generator=g)).to(w_dtype)
+    top = torch.randint(0, e_count, (tokens, k), generator=g)
+    if profile == "few_rows":
+        top = top[:4]
+    if profile == "groups":  # several gate groups, each gathered on its own
+        monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 12 * 2 * inter)
+    top[1, 0] = e_count  # a sentinel: no rows, token -1
+    h = torch.randn(top.shape[0], hidden, generator=g).to(h_dtype)
+    token, _, offsets = moe._route(top, e_count)
+    calls = []
+    real_gather = moe.gather
+
+    def counted(x, index, **kw):
+        calls.append(index.numel())
+        return real_gather(x, index, **kw)
+
+    def gate(a):
+        return torch.nn.functional.silu(a[:, :inter]) * a[:, inter:]
+
+    with torch.no_grad():
+        monkeypatch.setattr(moe, "gather", counted)
+        ys = moe._experts_loop(h, offsets, w_in, None, w_out, None, False, gate, token=token)
+        monkeypatch.setattr(moe, "gather", real_gather)
+        xs = sa.gather(h, token, ignore_index=-1).to(w_dtype)
+        ref = moe._experts_loop(xs, offsets, w_in, None, w_out, None, False, gate)
+    assert ys.dtype == w_dtype
+    assert torch.equal(ys, ref)
+    assert sum(calls) == int(offsets[-1])  # every pair's row once, no sentinel
+    assert (len(calls) > 1) == (profile == "groups")
+
+
 @pytest.mark.parametrize("layout", ["intermediate_1", "hidden_1", "tied_rows", "stepped", "broadcast_gate"])
 def test_inference_products_take_every_layout(sa, monkeypatch, layout):
     """Operands torch's grouped product cannot read as they lie (a dimension of one element, a
