@@ -11,8 +11,9 @@ from configs, random weights, bf16) with each experts implementation, side by si
              per-token copies of the expert weights fit in memory), ours (scatter_add.moe), ours'
              speedup over the best of them, and each one's max error against a float64 reference
              (the same routing, experts computed in float64)
-    split:   for ours in forward, the time of dispatch (routing sort + gather), the expert
-             products and combine (index_add), each timed alone on the same inputs
+    split:   for ours in forward, the time of dispatch (routing sort + the gathers of each gate
+             group's rows), the expert products and combine (index_add), each timed alone on the
+             same inputs
 
 Timings: the implementations run in interleaved rounds (one call of each per round) so that this
 machine's drifting speed hits them alike; each cell is the median of the rounds, and the table
@@ -303,9 +304,12 @@ class MoEBench:
             ys = moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
             pw = w.reshape(-1)[order]
 
-            def dispatch():
-                tk, od, _ = moe._route(idx, e)
-                return sa.gather(h, tk, ignore_index=-1)
+            width = ex.gate_up_proj.shape[1]
+
+            def dispatch():  # what the forward gathers: each gate group's rows in turn
+                tk, _, off = moe._route(idx, e)
+                for g in moe._gate_groups(list(moe._blocks(off)), width):
+                    sa.gather(h, tk[g[0][1]:g[-1][2]], ignore_index=-1)
 
             def experts():
                 return moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
