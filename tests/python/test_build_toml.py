@@ -75,13 +75,24 @@ def cmake_units(build_dir, kind):
     return units, by_name, reply
 
 
-def configure(tmp_path, kind):
+@pytest.fixture(scope="module")
+def configure(tmp_path_factory):
+    """configure(kind) -> a build directory CMake configured for the `kind` extension, once per
+    kind for this module (a configure takes 5 to 15 s)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from build_hub import cmake_configure
 
-    build_dir = tmp_path / f"cmake-{kind}"
-    cmake_configure(build_dir, "_scatter_add_toml_check", CONFIG["torch"]["stable-abi"][kind], cuda=kind == "cuda")
-    return build_dir
+    done = {}
+
+    def get(kind):
+        if kind not in done:
+            build_dir = tmp_path_factory.mktemp(f"cmake-{kind}")
+            cmake_configure(build_dir, "_scatter_add_toml_check", CONFIG["torch"]["stable-abi"][kind],
+                            cuda=kind == "cuda")
+            done[kind] = build_dir
+        return done[kind]
+
+    return get
 
 
 @pytest.mark.parametrize("kind", [
@@ -89,18 +100,18 @@ def configure(tmp_path, kind):
     pytest.param("cuda", marks=pytest.mark.skipif(NVCC is None, reason="nvcc not found: CMake cannot configure "
                                                                       "the CUDA extension on this machine")),
 ])
-def test_lists_what_cmake_compiles(tmp_path, kind):
-    build_dir = configure(tmp_path, kind)
+def test_lists_what_cmake_compiles(configure, kind):
+    build_dir = configure(kind)
     cmake, _, _ = cmake_units(build_dir, kind)
     toml = toml_units(kind)
     assert toml == cmake, (f"build.toml ({kind}) and CMake differ:\n  only in build.toml: {sorted(toml - cmake)}\n"
                            f"  only in CMake: {sorted(cmake - toml)}")
 
 
-def test_binding_is_compiled_for_the_target_version(tmp_path):
+def test_binding_is_compiled_for_the_target_version(configure):
     """The binding is compiled with TORCH_TARGET_VERSION, which makes every header outside the
     stable ABI an #error, for the version build.toml names."""
-    build_dir = configure(tmp_path, "cpu")
+    build_dir = configure("cpu")
     _, by_name, reply = cmake_units(build_dir, "cpu")
     t = json.loads((reply / by_name["scatter_add_ext"]["jsonFile"]).read_text())
     defines = {d["define"] for g in t["compileGroups"] for d in g.get("defines", [])}
