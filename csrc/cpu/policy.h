@@ -76,6 +76,14 @@ struct CpuPolicy {
   static constexpr double kNsPerByteMemory = 0.0306;
   static constexpr double kNsPerRandomRow = 2.06;
   static constexpr double kNsPerRandomSourceRow = 18.7;
+  // A planned walk's source row in cache still costs its sort and gather: the counting sort's
+  // path took 4 to 6 ns per entry at D <= 16 with sources in cache (one thread, thread CPU time:
+  // N = 1000, K = 100k, D = 1 474-550 us; N = 100, K = 10k 37 us; N = 1000, K = 50k, D = 4
+  // 223-257 us), where the model, fitted on a grid whose planned shapes had their sources out of
+  // cache, took it for 0.5 ns and picked it over a direct walk 3-4x faster (124-141 us at the
+  // first shape). 3 ns leaves every pick of the calibration grid as it was (radix at N = 1M,
+  // K = 10k, D = 1 bfloat16, 117 us, would turn to direct, 250 us, from 4 ns).
+  static constexpr double kNsPerCachedSourceRow = 3.0;
   // The working set that counts as cached.
   static constexpr double kCacheBytes = 838e3;
   // Sparse scratch: per row of N (two bitmaps and their ranks).
