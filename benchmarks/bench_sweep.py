@@ -47,6 +47,7 @@ MAX_ROWS = 1_000_000
 DIST_DS = [1, 8, 64]
 MOE_DS = [64, 1024, 4096]
 NOISE = 0.10  # a cell within 10% of torch counts as a tie
+SMALL_US, LATENCY_US = 20.0, 2.0  # where torch's best takes under 20 us, ours may add at most 2 us
 # (N, K, D, index) past MAX_BYTES: rows of 256 B and more moving 64 MB and more (bandwidth goal).
 BANDWIDTH = [(262144, 262144, 64, "uniform"), (65536, 65536, 256, "uniform"),
              (16384, 32768, 1024, "moe_top2"), (4096, 8192, 4096, "moe_top2")]
@@ -181,6 +182,26 @@ def run_cell(sa, n, k, d, dist, dtype, gen, budget, gather):
     return cell
 
 
+TORCH_PATHS = ("index_add_i64_us", "index_add_i32_us", "scatter_add_us")
+GATHER_PATHS = ("index_select_us", "getitem_us")
+
+
+def keep_fastest(cell, again):
+    """Each path of cell keeps the faster of its time and again's; the ratios are recomputed."""
+    for key in ("ours_us", "gather_us") + TORCH_PATHS + GATHER_PATHS:
+        if key in cell and key in again:
+            cell[key] = min(cell[key], again[key])
+    cell["torch_us"] = min(cell[k] for k in TORCH_PATHS)
+    cell["speedup"] = cell["torch_us"] / cell["ours_us"]
+    if "gather_us" in cell:
+        cell["gather_torch_us"] = min(cell[k] for k in GATHER_PATHS)
+        cell["gather_speedup"] = cell["gather_torch_us"] / cell["gather_us"]
+
+
+def added_us(c):
+    return c["ours_us"] - c["torch_us"]
+
+
 def label(c):
     return f"{c['dtype']:8} N={c['n']:>7} K={c['k']:>7} D={c['d']:>4} {c['dist']:10}"
 
@@ -230,7 +251,7 @@ def main():
                     help="one thread everywhere, timed in thread CPU time: a fair per-core comparison "
                          "that a loaded machine does not distort (not the default: users run threads)")
     ap.add_argument("--rerun-below", type=float, default=1.0 + NOISE,
-                    help="cells under this speedup are timed again (three times) and the best kept")
+                    help="cells under this speedup are timed twice more, each path keeping its fastest run")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -264,23 +285,25 @@ def main():
             sys.stderr.write(f"\r  {len(results)}/{total} {label(c)} {c['speedup']:5.2f}x   ")
             sys.stderr.flush()
     sys.stderr.write("\n")
-    # Cells near or below a tie are timed again (the 24 lowest, twice each, with a longer budget)
-    # and keep their best ratio: a neighbour's load can slow either side of one run.
-    reruns = sorted((c for c in results if c["speedup"] < args.rerun_below or c.get("gather_speedup", 9) < 1.0),
-                    key=lambda c: min(c["speedup"], c.get("gather_speedup", 9)))[:24]
+    # Cells near or below a tie, and small cells where ours added more than the latency budget,
+    # are timed again (the 24 lowest of each, twice more, with a longer budget). Every path then
+    # keeps its fastest median over the three runs: a neighbour's load only ever slows a path,
+    # so each path's minimum is its least disturbed time, ours and torch's alike, and the ratio
+    # and the added latency are computed from those minima.
+    low = sorted((c for c in results if c["speedup"] < args.rerun_below or c.get("gather_speedup", 9) < 1.0),
+                 key=lambda c: min(c["speedup"], c.get("gather_speedup", 9)))[:24]
+    slow = sorted((c for c in results if c["torch_us"] < SMALL_US and added_us(c) > LATENCY_US and c not in low),
+                  key=added_us, reverse=True)[:24]
+    reruns = low + slow
     if reruns:
-        print(f"timing {len(reruns)} cells again (at most 24 under {args.rerun_below:.2f}x, or gather under 1.0x)")
+        print(f"timing {len(reruns)} cells again ({len(low)} under {args.rerun_below:.2f}x or gather under "
+              f"1.0x, {len(slow)} adding over {LATENCY_US:g} us); each path keeps its fastest of three runs")
     for c in reruns:
-        best = c
         for _ in range(2):
             again = run_cell(sa, c["n"], c["k"], c["d"], c["dist"], getattr(torch, c["dtype"]), gen,
                              2 * args.budget, "gather_us" in c)
-            if again["speedup"] > best["speedup"]:
-                best = dict(best, **{kk: v for kk, v in again.items() if not kk.startswith("gather")})
-            if "gather_speedup" in again and again["gather_speedup"] > best.get("gather_speedup", 0):
-                best = dict(best, **{kk: v for kk, v in again.items() if kk.startswith("gather")})
-        best["reruns"] = 2
-        c.update(best)
+            keep_fastest(c, again)
+        c["reruns"] = 2
     ceiling = (ceiling + stream.measure()) / 2
     for c in results:
         c["gbs"] = c["bytes"] / (c["ours_us"] * 1e-6) / 1e9
@@ -295,10 +318,10 @@ def main():
     print("worst cells (ours us, torch us: best of index_add_ i64/i32 and scatter_add_):")
     for c in sorted(results, key=lambda c: c["speedup"])[:12]:
         print(f"  {label(c)} {c['ours_us']:10.1f} {c['torch_us']:10.1f}  {c['speedup']:5.2f}x")
-    small = [c for c in results if c["torch_us"] < 20]
-    over = [c for c in small if c["ours_us"] - c["torch_us"] > 2.0]
-    print(f"latency: {len(small)} cells where torch takes under 20 us; ours adds more than 2 us in "
-          f"{len(over)}" + (": " + ", ".join(f"{label(c).strip()} +{c['ours_us'] - c['torch_us']:.1f} us"
+    small = [c for c in results if c["torch_us"] < SMALL_US]
+    over = [c for c in small if added_us(c) > LATENCY_US]
+    print(f"latency: {len(small)} cells where torch takes under {SMALL_US:g} us; ours adds more than "
+          f"{LATENCY_US:g} us in {len(over)}" + (": " + ", ".join(f"{label(c).strip()} +{added_us(c):.1f} us"
                                               for c in over[:6]) if over else ""))
     big = [c for c in results if c["d"] * (2 if c["dtype"] == "bfloat16" else 4) >= 256 and c["bytes"] >= 64e6]
     low = [c for c in big if c["pct_ceiling"] < 70]
