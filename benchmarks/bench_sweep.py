@@ -290,13 +290,13 @@ def main():
     # keeps its fastest median over the three runs: a neighbour's load only ever slows a path,
     # so each path's minimum is its least disturbed time, ours and torch's alike, and the ratio
     # and the added latency are computed from those minima.
-    low = sorted((c for c in results if c["speedup"] < args.rerun_below or c.get("gather_speedup", 9) < 1.0),
-                 key=lambda c: min(c["speedup"], c.get("gather_speedup", 9)))[:24]
-    slow = sorted((c for c in results if c["torch_us"] < SMALL_US and added_us(c) > LATENCY_US and c not in low),
+    near_tie = sorted((c for c in results if c["speedup"] < args.rerun_below or c.get("gather_speedup", 9) < 1.0),
+                      key=lambda c: min(c["speedup"], c.get("gather_speedup", 9)))[:24]
+    slow = sorted((c for c in results if c["torch_us"] < SMALL_US and added_us(c) > LATENCY_US and c not in near_tie),
                   key=added_us, reverse=True)[:24]
-    reruns = low + slow
+    reruns = near_tie + slow
     if reruns:
-        print(f"timing {len(reruns)} cells again ({len(low)} under {args.rerun_below:.2f}x or gather under "
+        print(f"timing {len(reruns)} cells again ({len(near_tie)} under {args.rerun_below:.2f}x or gather under "
               f"1.0x, {len(slow)} adding over {LATENCY_US:g} us); each path keeps its fastest of three runs")
     for c in reruns:
         for _ in range(2):
