@@ -4,8 +4,12 @@
 //             with the next source rows prefetched; one-element rows are copied as scalars, and
 //             the rows of a large dst already in memory by non-temporal stores (policy.h)
 //   by plan   each x row is read once and written to all its destinations (split by Splitter)
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -49,6 +53,49 @@ bool pages_resident(const void* p, size_t bytes) {
 #endif
 }
 
+// The L3's size where it keeps a dst written again and again (AMD, policy.h), else 0: read
+// once from sysfs (sysconf's figure can be the whole package's or the host's, 320 MiB where
+// sysfs says 32 MiB on one EPYC VM).
+int64_t store_keeping_l3_bytes() {
+  static const int64_t bytes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return int64_t(0);
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    if (std::strcmp(vendor, "AuthenticAMD") != 0 && std::strcmp(vendor, "HygonGenuine") != 0) return int64_t(0);
+    std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+    if (f == nullptr) return int64_t(0);
+    long long v = 0;
+    char unit = 0;
+    const int got = std::fscanf(f, "%lld%c", &v, &unit);
+    std::fclose(f);
+    if (got < 1 || v <= 0) return int64_t(0);
+    const int64_t scale = unit == 'K' ? 1 << 10 : unit == 'M' ? 1 << 20 : unit == 'G' ? 1 << 30 : 1;
+    return static_cast<int64_t>(v) * scale;
+  }();
+  return bytes;
+}
+
+// Whether an unweighted gather writes its dst rows by streaming stores (policy.h). Only calls
+// past the size threshold read SCATTER_ADD_GATHER_STREAM: 1 streams every such call whatever
+// the cache and pages, 0 none (for tests and benchmarks).
+bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_bytes) {
+  const double dst_bytes = row_bytes * static_cast<double>(k);
+  if (row_bytes < static_cast<double>(CpuPolicy::kStreamMinRowBytes) ||
+      row_bytes > static_cast<double>(CpuPolicy::kStreamMaxRowBytes) ||
+      dst_bytes < static_cast<double>(CpuPolicy::kStreamAboveBytes))
+    return false;
+  if (const char* env = std::getenv("SCATTER_ADD_GATHER_STREAM"); env != nullptr && (*env == '0' || *env == '1'))
+    return *env == '1';
+  const double src_bytes = row_bytes * static_cast<double>(std::min(x.rows, k));
+  const int64_t l3 = store_keeping_l3_bytes();
+  if (l3 > 0 && dst_bytes + src_bytes < static_cast<double>(l3)) return false;
+  const size_t es = dtype_size(dst.dtype);
+  return pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + dst.cols)) * es);
+}
+
 }  // namespace
 
 void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const void* w,
@@ -57,12 +104,7 @@ void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& inde
   const int64_t k = index.size, d = dst.cols;
   if (k == 0 || d == 0) return;
   const size_t es = dtype_size(dst.dtype);
-  const double row_bytes = static_cast<double>(d) * static_cast<double>(es);
-  const double dst_bytes = row_bytes * static_cast<double>(k);
-  const bool stream = w == nullptr && row_bytes >= static_cast<double>(CpuPolicy::kStreamMinRowBytes) &&
-                      row_bytes <= static_cast<double>(CpuPolicy::kStreamMaxRowBytes) &&
-                      dst_bytes >= static_cast<double>(CpuPolicy::kStreamAboveBytes) &&
-                      pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + d)) * es);
+  const bool stream = w == nullptr && stream_pays(dst, x, k, static_cast<double>(d) * static_cast<double>(es));
   const GatherJob job{dst.data, dst.row_stride, x.data,  x.row_stride, index.data,
                       w,        o.ignore_index.has_value(), o.ignore_index.value_or(0), stream};
   const GatherFn fn =

@@ -469,38 +469,46 @@ TEST(Strategies, GatherBitsAreOneRoundedProductWhateverTheSplit) {
           }
 }
 
-// A large unweighted gather writes its rows by non-temporal stores: rows that start anywhere in
-// a cache line (a padded dst stride), vector-sized ends, ignored rows, every split.
+// A large unweighted gather writes its rows by non-temporal stores (forced here: by default a
+// dst that fits in an AMD L3 with its source is not streamed) or by plain ones: rows that start
+// anywhere in a cache line (a padded dst stride), vector-sized ends, ignored rows, every split.
 TEST(Strategies, LargeGatherByStreamingStoresCopiesEveryByte) {
-  uint64_t seed = 950;
-  for (DType t : {DType::f32, DType::bf16, DType::f64})
-    for (int64_t d : {150, 301, 1024}) {
-      std::mt19937_64 rng(seed++);
-      const size_t es = sa::dtype_size(t);
-      const int64_t k = (int64_t(5) << 20) / (d * static_cast<int64_t>(es)) + 1, n = 97, ds = d + 3;
-      const Buf x = special_buf(t, static_cast<size_t>(n * d), rng);
-      std::vector<int64_t> iv = make_indices(Pattern::uniform, n, k, rng);
-      for (int64_t i = 0; i < k; i += 7) iv[static_cast<size_t>(i)] = -1;
-      const Idx idx = make_idx(IndexType::i32, iv);
-      const Buf dst0 = special_buf(t, static_cast<size_t>(k * ds), rng);
-      Buf want = dst0;  // the padding after each row stays as it was
-      for (int64_t i = 0; i < k; ++i) {
-        unsigned char* row = want.bytes.data() + static_cast<size_t>(i * ds) * es;
-        const int64_t r = iv[static_cast<size_t>(i)];
-        if (r < 0)
-          std::memset(row, 0, static_cast<size_t>(d) * es);
-        else
-          std::memcpy(row, x.bytes.data() + static_cast<size_t>(r * d) * es, static_cast<size_t>(d) * es);
+  struct Unset {
+    ~Unset() { unsetenv("SCATTER_ADD_GATHER_STREAM"); }
+  } unset_at_exit;
+  for (const char* stream : {"1", "0"}) {
+    setenv("SCATTER_ADD_GATHER_STREAM", stream, 1);
+    uint64_t seed = 950;
+    for (DType t : {DType::f32, DType::bf16, DType::f64})
+      for (int64_t d : {150, 301, 1024}) {
+        std::mt19937_64 rng(seed++);
+        const size_t es = sa::dtype_size(t);
+        const int64_t k = (int64_t(5) << 20) / (d * static_cast<int64_t>(es)) + 1, n = 97, ds = d + 3;
+        const Buf x = special_buf(t, static_cast<size_t>(n * d), rng);
+        std::vector<int64_t> iv = make_indices(Pattern::uniform, n, k, rng);
+        for (int64_t i = 0; i < k; i += 7) iv[static_cast<size_t>(i)] = -1;
+        const Idx idx = make_idx(IndexType::i32, iv);
+        const Buf dst0 = special_buf(t, static_cast<size_t>(k * ds), rng);
+        Buf want = dst0;  // the padding after each row stays as it was
+        for (int64_t i = 0; i < k; ++i) {
+          unsigned char* row = want.bytes.data() + static_cast<size_t>(i * ds) * es;
+          const int64_t r = iv[static_cast<size_t>(i)];
+          if (r < 0)
+            std::memset(row, 0, static_cast<size_t>(d) * es);
+          else
+            std::memcpy(row, x.bytes.data() + static_cast<size_t>(r * d) * es, static_cast<size_t>(d) * es);
+        }
+        for (int threads : {1, 2, 3}) {
+          Buf dst = dst0;
+          sa::Options opt;
+          opt.num_threads = threads;
+          opt.ignore_index = -1;
+          sa::gather_rows(mat(dst, k, d, ds), cmat(x, n, d, d), idx.view(), {}, opt);
+          ASSERT_EQ(dst.bytes, want.bytes) << sa::dtype_name(t) << " d=" << d << " threads=" << threads
+                                           << " stream=" << stream;
+        }
       }
-      for (int threads : {1, 2, 3}) {
-        Buf dst = dst0;
-        sa::Options opt;
-        opt.num_threads = threads;
-        opt.ignore_index = -1;
-        sa::gather_rows(mat(dst, k, d, ds), cmat(x, n, d, d), idx.view(), {}, opt);
-        ASSERT_EQ(dst.bytes, want.bytes) << sa::dtype_name(t) << " d=" << d << " threads=" << threads;
-      }
-    }
+  }
 }
 
 // index_add_rows keeps its plan's buffers per thread between calls, up to a size: calls of
