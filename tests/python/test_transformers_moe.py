@@ -105,8 +105,16 @@ def tokens(n=11, batch=2, seed=1):
     return torch.randint(3, COMMON["vocab_size"], (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(params=[False, True], ids=["plain_forms", "amx_forms"])
+def forms(sa, monkeypatch, request):
+    """The forward's product forms of a CPU without AMX and of one with it, on any CPU (moe._AMX:
+    the forms differ, the results agree to rounding)."""
+    monkeypatch.setattr(sa.moe, "_AMX", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("model", MODELS)
-def test_logits_match_eager_float32(sa, name, model):
+def test_logits_match_eager_float32(sa, name, model, forms):
     eager = build(model)
     ours = with_impl(eager, name)
     ids = tokens()
@@ -135,8 +143,9 @@ def test_gradients_match_eager(sa, name, model):
             assert q.grad is None, pname
             continue
         # float32 sums in another order, carried back through the layers: relative to the largest
+        # (up to 1.3e-6 of it seen on an EPYC, in an attention bias of Qwen2-MoE summed over tokens)
         scale = p.grad.abs().max().item()
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6 * scale, msg=lambda m: f"{pname} ({scale=}): {m}")
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{pname} ({scale=}): {m}")
         checked += ".experts." in pname
     # every expert weight (and bias) of every layer has a gradient that matched
     assert checked == sum(len(list(e.parameters())) for e in experts_modules(eager))
@@ -201,7 +210,7 @@ def bitwise_equal(a, b):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_bitwise_identical_for_1_and_2_threads(sa, name, model):
+def test_bitwise_identical_for_1_and_2_threads(sa, name, model, forms):
     """The experts of a bf16 model wide enough (hidden 512) for the dispatch and combine to split
     their work over 2 threads, on the model's own routing: a batch, and one token (one row per
     expert: the matrix-vector path). Then a training step of the tiny model: logits and
@@ -466,11 +475,12 @@ def test_package_import_does_not_import_transformers():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("profile", ["few_rows", "one_row", "many_rows", "groups"])
-def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch, dtype, profile):
+def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch, dtype, profile, forms):
     """The no-grad expert loop, with torch's grouped product where it pays: every block's result
-    equals the per-expert product of the form it takes (swapped W_e @ x_e.T for small blocks, the
-    loop's own otherwise) bit for bit, idle experts and sentinel rows included; the grouped product
-    runs for small blocks and never for blocks of one row. Row counts are odd, so that the gate's
+    equals the per-expert product of the form it takes bit for bit, idle experts and sentinel rows
+    included. With AMX's forms: swapped W_e @ x_e.T for small blocks, the loop's own otherwise, the
+    grouped product for small blocks and never for blocks of one row. Without: the plain form,
+    grouped for every gate group of more than one block. Row counts are odd, so that the gate's
     transposed output needs its padded copy."""
     moe = sa.moe
     g = torch.Generator().manual_seed(7)
@@ -501,19 +511,22 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
         ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
     monkeypatch.setattr(torch, "_grouped_mm", real)
 
-    grouped = profile in ("few_rows", "groups")
+    grouped = profile in ("few_rows", "groups") or not forms
     assert (calls["n"] > 0) == grouped
     ref = torch.zeros_like(ys)
     start = 0
     for e, end in enumerate(ends.tolist()):
         x = xs[start:end]
-        if end > start and grouped:
+        if end > start and grouped and forms:
             ref[start:end] = torch.mm(w_out[e], gate(torch.mm(w_in[e], x.t()).t()).t()).t()
         elif end > start:
             h = moe._linear(x, w_in, e, None, False)
             ref[start:end] = moe._linear(gate(h), w_out, e, None, False)
         start = end
-    assert torch.equal(ys, ref)
+    if forms == moe._amx_tiles() or dtype == torch.bfloat16:
+        assert torch.equal(ys, ref)
+    else:  # float32 products of the other CPU's forms: MKL's kernels for them may round otherwise here
+        torch.testing.assert_close(ys, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(ys[int(ends[-1]):], torch.zeros_like(ys[int(ends[-1]):]))
 
 

@@ -50,6 +50,21 @@ _SWAP_MAX_ROWS = 128  # see _linear
 _GATE_GROUP_ELEMS = 1 << 20  # see _experts_loop: 2 MiB of bf16 pre-activations per gate call
 
 
+def _amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles, on which oneDNN multiplies bfloat16 (Sapphire Rapids and
+    later Xeons). The products' forms below were chosen by measurement on each kind of CPU."""
+    f = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    try:
+        return bool(f()) if f is not None else False
+    except Exception:
+        return False
+
+
+# The forms of the forward products: with AMX the swapped ones where they pay (_linear,
+# _grouped_swapped), without it plain ones (_grouped_plain). Tests set it to run either anywhere.
+_AMX = _amx_tiles()
+
+
 # --- one expert's products ------------------------------------------------------------------------
 # weight is [E, out, in] (x @ weight[e].T), or [E, in, out] when transposed (x @ weight[e]).
 
@@ -67,12 +82,18 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     1.2-1.8x up to 128; Qwen3-MoE's up (in 1024) 1.3-1.75x at 2 to 16 rows, 1.03x at 64, 0.89x at
     128, down (in 384) 1.2-1.5x at 2 to 8 rows, 0.6-0.7x from 32. The training path does not
     swap: its backward would pay transposing copies. One row: a matrix-vector product (about
-    1.7x faster than a one-row matrix product here)."""
+    1.7x faster than a one-row matrix product there).
+
+    All of that was measured on a Xeon with AMX. Without AMX (an EPYC with AVX-512 BF16, bf16,
+    two threads, ms per product, plain / swapped / matrix-vector) both tricks lose, so only the
+    plain form runs there: Mixtral's up 0.82 / 0.72 / 2.09 at one row, 0.73 / 2.15 at 2 rows,
+    1.17 / 2.21 at 8, 2.03 / 1.79 at 32, 5.43 / 6.26 at 128; Qwen3-MoE's up 0.09 / 0.09 / 0.19 at
+    one row, 0.09 / 0.20 at 2, 0.11 / 0.20 at 8."""
     w = weight[e]
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 and _AMX:
         mat = w.t() if transposed else w
         y = (torch.mv(mat, x[0]) if bias is None else torch.addmv(bias[e], mat, x[0]))[None]
-    elif transposed or not swap or x.shape[0] > min(_SWAP_MAX_ROWS, x.shape[1] // 16):
+    elif transposed or not swap or not _AMX or x.shape[0] > min(_SWAP_MAX_ROWS, x.shape[1] // 16):
         w = w if transposed else w.t()
         if out is not None:
             return torch.mm(x, w, out=out) if bias is None else torch.addmm(bias[e], x, w, out=out)
@@ -191,8 +212,8 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     for g in groups:
         first, end = g[0][1], g[-1][2]
         x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(w_in.dtype)
-        if grouped and _swap_pays(g, width):
-            ys[first:end] = _grouped_swapped(x, ends, g, w_in, w_out, gate)
+        if grouped and (_swap_pays(g, width) if _AMX else len(g) > 1):
+            ys[first:end] = (_grouped_swapped if _AMX else _grouped_plain)(x, ends, g, w_in, w_out, gate)
             continue
         buf = x.new_empty(most, width) if buf is None else buf
         for e, start, stop in g:
@@ -216,6 +237,12 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
 # 1.1-1.2x at 8 to 256 tokens (2 to 64 rows), 0.86x at 512 (128 rows, a 1.8 MB first product per
 # block): hence the limits below. Blocks of one row stay matrix-vector products in the loop (1.05-
 # 1.1x faster there, 1 token).
+# Without AMX the swapped form is slower (see _linear): every group of more than one block takes
+# two grouped products of the plain form instead (_grouped_plain). Blocks, bf16, two threads,
+# medians of 5 alternated rounds on an EPYC, ms of the swapped forms / the plain loop / plain
+# grouped products, against grouped_mm: Mixtral 1 token 7.22 / 5.45 / 5.36 (grouped_mm 5.34), 8
+# tokens 21.7 / 16.4 / 15.2 (16.5), 64 tokens 29.3 / 23.7 / 23.4 (24.9), 512 tokens 79.1 / 80.3 /
+# 78.0 (85.8); Qwen3-MoE 64 tokens 48.6 / 41.1 / 37.7 (33.4), 512 tokens 78.6 / 64.0 / 63.4 (80.6).
 # The products have the bits of the loop's per-expert products of the same form.
 
 _SWAP_MAX_ROWS_GROUPED = 256  # mean rows per block, and
@@ -265,10 +292,24 @@ def _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed) -> bool:
 
 def _grouped_swapped(x, ends, group, w_in, w_out, gate):
     """A group's [rows, out] result (a transposed view) by two swapped grouped products."""
-    e0, e1, first = group[0][0], group[-1][0], group[0][1]
-    offs = torch.tensor([min(max(end - first, 0), x.shape[0]) for end in ends[e0:e1 + 1]], dtype=torch.int32)
+    e0, e1 = group[0][0], group[-1][0]
+    offs = _group_offsets(x, ends, group)
     h = torch._grouped_mm(w_in[e0:e1 + 1], _operand(x).t(), offs=offs).t()
     return torch._grouped_mm(w_out[e0:e1 + 1], _operand(gate(h).t()), offs=offs).t()
+
+
+def _group_offsets(x, ends, group):
+    e0, e1, first = group[0][0], group[-1][0], group[0][1]
+    return torch.tensor([min(max(end - first, 0), x.shape[0]) for end in ends[e0:e1 + 1]], dtype=torch.int32)
+
+
+def _grouped_plain(x, ends, group, w_in, w_out, gate):
+    """A group's [rows, out] result by two grouped products of the plain form, x_e @ W_e.T (CPUs
+    without AMX, where the swapped form is slower: see _linear)."""
+    e0, e1 = group[0][0], group[-1][0]
+    offs = _group_offsets(x, ends, group)
+    h = torch._grouped_mm(_operand(x), w_in[e0:e1 + 1].transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(_operand(gate(h)), w_out[e0:e1 + 1].transpose(-2, -1), offs=offs)
 
 
 class _Experts(torch.autograd.Function):
