@@ -35,6 +35,7 @@ some shapes over threads (e.g. a down projection of 45-128 rows at hidden 1024, 
 3584 differs in the last bit between 1 and 2 threads), for every experts implementation alike.
 Where the products are reproducible, so is the layer.
 """
+import sys
 from typing import List, Optional
 
 import torch
@@ -63,6 +64,49 @@ def _amx_tiles() -> bool:
 # The forms of the forward products: with AMX the swapped ones where they pay (_linear,
 # _grouped_swapped), without it plain ones (_grouped_plain). Tests set it to run either anywhere.
 _AMX = _amx_tiles()
+
+
+# --- fresh buffers --------------------------------------------------------------------------------
+# Training allocates full-size gradients of the expert weights on every backward (and the
+# forward saves its pre-activations), in memory that is mapped afresh each time: a large
+# allocation is its own mapping, handed back when the gradient is freed (optimizers set them to
+# None). Faulting those pages in 4 KiB at a time cost more than the products: Mixtral block
+# (hidden 1024, intermediate 3584, 8 experts, bf16), forward+backward at one token, 83 ms, of
+# which 35 ms zeroing six idle experts' gradients (132 MB, 3.8 GB/s) and most of the rest the
+# faults of the two active ones'. Such buffers are advised onto transparent huge pages
+# (madvise MADV_HUGEPAGE, before their first write; the kernel's "madvise" and "always" modes
+# honour it, "never" ignores it): 83 -> 36 ms (grouped_mm 88 ms), 64 tokens 141 -> 95 ms (143).
+# torch's own allocator does the same for every tensor with THP_MEM_ALLOC_ENABLE=1.
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t, its whole huge pages advised onto transparent huge pages (CPU tensors of at least two
+    huge pages on Linux; others as they are). Call it before the first write."""
+    if _LIBC is None or t.device.type != "cpu" or t.numel() * t.element_size() < 2 * _HUGE_PAGE:
+        return t
+    import ctypes
+
+    begin = t.data_ptr()
+    start = (begin + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    end = (begin + t.numel() * t.element_size()) & ~(_HUGE_PAGE - 1)
+    if end > start:
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    return t
 
 
 # --- one expert's products ------------------------------------------------------------------------
@@ -321,8 +365,8 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, offsets, w_in, b_in, w_out, b_out, transposed, gate):
-        hs = xs.new_empty(xs.shape[0], _out_features(w_in, transposed))
-        ys = xs.new_empty(xs.shape[0], _out_features(w_out, transposed))
+        hs = _huge_pages(xs.new_empty(xs.shape[0], _out_features(w_in, transposed)))
+        ys = _huge_pages(xs.new_empty(xs.shape[0], _out_features(w_out, transposed)))
         end = 0
         for e, start, end in _blocks(offsets):
             h = _linear(xs[start:end], w_in, e, b_in, transposed, out=hs[start:end], swap=False)
@@ -340,16 +384,16 @@ class _Experts(torch.autograd.Function):
         grad_ys = grad_ys.to(xs.dtype)
         blocks = list(_blocks(offsets))
         rows = blocks[-1][2] if blocks else 0
-        grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
-        grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
-        grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
+        grad_x = _unwritten_zero(_huge_pages(torch.empty_like(xs)), blocks) if need_x else None
+        grad_w_in = _idle_zero(_huge_pages(torch.empty_like(w_in)), blocks) if need_w_in else None
+        grad_w_out = _idle_zero(_huge_pages(torch.empty_like(w_out)), blocks) if need_w_out else None
         grad_b_in = w_in.new_zeros(w_in.shape[0], _out_features(w_in, tr)) if need_b_in else None
         grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
         with torch.enable_grad():
             h = hs[:rows].detach().requires_grad_(True)
             a = ctx.gate(h)
         # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
-        grad_a = a.new_empty(a.shape)
+        grad_a = _huge_pages(a.new_empty(a.shape))
         for e, start, end in blocks:
             _grad_input(grad_ys[start:end], w_out, e, tr, out=grad_a[start:end])
         (grad_h,) = torch.autograd.grad(a, h, grad_a) if rows else (h,)
@@ -367,7 +411,7 @@ class _Experts(torch.autograd.Function):
 
 def _grouped_linear_impl(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                          bias: Optional[torch.Tensor], transposed: bool) -> torch.Tensor:
-    out = x.new_empty(x.shape[0], _out_features(weight, transposed))
+    out = _huge_pages(x.new_empty(x.shape[0], _out_features(weight, transposed)))
     end = 0
     for e, start, end in _blocks(offsets):
         _linear(x[start:end], weight, e, bias, transposed, out=out[start:end])
@@ -384,8 +428,8 @@ def _grouped_linear_backward_impl(grad: torch.Tensor, x: torch.Tensor, weight: t
                                   need_x: bool, need_weight: bool) -> List[torch.Tensor]:
     grad = grad.to(x.dtype)
     blocks = list(_blocks(offsets))
-    grad_x = _unwritten_zero(torch.empty_like(x), blocks) if need_x else x.new_empty(0)
-    grad_w = _idle_zero(torch.empty_like(weight), blocks) if need_weight else weight.new_empty(0)
+    grad_x = _unwritten_zero(_huge_pages(torch.empty_like(x)), blocks) if need_x else x.new_empty(0)
+    grad_w = _idle_zero(_huge_pages(torch.empty_like(weight)), blocks) if need_weight else weight.new_empty(0)
     grad_b = (weight.new_zeros(weight.shape[0], _out_features(weight, transposed)) if need_weight and has_bias
               else weight.new_empty(0))
     for e, start, end in blocks:
