@@ -106,6 +106,8 @@ const StrategyShape kStrategyShapes[] = {
     // rows of 2 to 4 columns, added element by element by the direct walks: repeated rows in a
     // dense scratch (N <= K) and in a sparse one (N > K)
     {300, 2000, 4, Pattern::uniform}, {3000, 1000, 4, Pattern::zipf},  {2000, 900, 3, Pattern::hot_row},
+    // a hot row wider than the hot-row buffer (16 KiB of sums): summed in several column chunks
+    {8, 40, 4500, Pattern::hot_row},
 };
 const sa::Strategy kStrategies[] = {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix};
 
