@@ -54,8 +54,30 @@ bool pages_resident(const void* p, size_t bytes) {
 }
 
 // The L3's size where it keeps a dst written again and again (AMD, policy.h), else 0: read
-// once from sysfs (sysconf's figure can be the whole package's or the host's, 320 MiB where
-// sysfs says 32 MiB on one EPYC VM).
+// once from sysfs, cache index3 when it is level 3 (sysconf's figure can be the whole
+// package's or the host's: 320 MiB where sysfs says 32 MiB on one EPYC VM); where sysfs does not
+// tell, CpuPolicy::kAssumedL3Bytes.
+int64_t read_l3_bytes() {
+  const char* dir = "/sys/devices/system/cpu/cpu0/cache/index3/";
+  char path[96];
+  long long level = 0, v = 0;
+  char unit = 0;
+  std::snprintf(path, sizeof path, "%slevel", dir);
+  if (std::FILE* f = std::fopen(path, "r")) {
+    if (std::fscanf(f, "%lld", &level) != 1) level = 0;
+    std::fclose(f);
+  }
+  if (level != 3) return CpuPolicy::kAssumedL3Bytes;
+  std::snprintf(path, sizeof path, "%ssize", dir);
+  std::FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return CpuPolicy::kAssumedL3Bytes;
+  const int got = std::fscanf(f, "%lld%c", &v, &unit);
+  std::fclose(f);
+  if (got < 1 || v <= 0) return CpuPolicy::kAssumedL3Bytes;
+  const int64_t scale = unit == 'K' ? 1 << 10 : unit == 'M' ? 1 << 20 : unit == 'G' ? 1 << 30 : 1;
+  return static_cast<int64_t>(v) * scale;
+}
+
 int64_t store_keeping_l3_bytes() {
   static const int64_t bytes = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
@@ -65,29 +87,23 @@ int64_t store_keeping_l3_bytes() {
     std::memcpy(vendor + 4, &d, 4);
     std::memcpy(vendor + 8, &c, 4);
     if (std::strcmp(vendor, "AuthenticAMD") != 0 && std::strcmp(vendor, "HygonGenuine") != 0) return int64_t(0);
-    std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
-    if (f == nullptr) return int64_t(0);
-    long long v = 0;
-    char unit = 0;
-    const int got = std::fscanf(f, "%lld%c", &v, &unit);
-    std::fclose(f);
-    if (got < 1 || v <= 0) return int64_t(0);
-    const int64_t scale = unit == 'K' ? 1 << 10 : unit == 'M' ? 1 << 20 : unit == 'G' ? 1 << 30 : 1;
-    return static_cast<int64_t>(v) * scale;
+    return read_l3_bytes();
   }();
   return bytes;
 }
 
-// Whether an unweighted gather writes its dst rows by streaming stores (policy.h). Only calls
-// past the size threshold read SCATTER_ADD_GATHER_STREAM: 1 streams every such call whatever
-// the cache and pages, 0 none (for tests and benchmarks).
+// Whether an unweighted gather writes its dst rows by streaming stores (policy.h).
+// SCATTER_ADD_GATHER_STREAM, read by calls past the size threshold only (a dst of 4 MiB or
+// more, where a getenv costs nothing measurable): "1" streams every such call whatever the cache
+// and pages, "0" none; any other value leaves the choice to this rule.
 bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_bytes) {
   const double dst_bytes = row_bytes * static_cast<double>(k);
   if (row_bytes < static_cast<double>(CpuPolicy::kStreamMinRowBytes) ||
       row_bytes > static_cast<double>(CpuPolicy::kStreamMaxRowBytes) ||
       dst_bytes < static_cast<double>(CpuPolicy::kStreamAboveBytes))
     return false;
-  if (const char* env = std::getenv("SCATTER_ADD_GATHER_STREAM"); env != nullptr && (*env == '0' || *env == '1'))
+  if (const char* env = std::getenv("SCATTER_ADD_GATHER_STREAM");
+      env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0))
     return *env == '1';
   const double src_bytes = row_bytes * static_cast<double>(std::min(x.rows, k));
   const int64_t l3 = store_keeping_l3_bytes();

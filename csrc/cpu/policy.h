@@ -24,14 +24,18 @@ struct CpuPolicy {
   // that stays in the cache), 128 B rows 0.99x, 64 B 0.81x. Through torch, rows of 8 and 16 KiB
   // from a few cached source rows took 1.05-1.2x longer (memcpy's string moves already skip the
   // read for such lengths).
-  // That was measured on a Xeon. On AMD's Zen cores (EPYC, 32 MiB L3, 2 threads, the sweep's
-  // gather cells, dst written by the previous call) a dst that fits in the L3 with the source
-  // rows it reads stays there between calls, and plain stores into it beat streaming, which
-  // sends every row to memory: 8 MiB of 256 B to 2 KiB rows from a few source rows 70-107 us
-  // (torch's index_select) against 317-350 us streamed, 0.23-0.45x; 16 MiB 0.40-0.64x. With a
-  // source of 16 MiB beside a 16 MiB dst streaming won (1.19-1.49x). So on AMD a dst streams
-  // only when dst and source rows together fill the L3 (gather.cpp, stream_pays).
+  // That was measured on a Xeon. On AMD's Zen cores (an EPYC VM, 32 MiB L3, 2 threads, dst
+  // written by the previous call) a dst that fits in the L3 with the source rows it reads stays
+  // there between calls, and plain stores into it beat streaming, which sends every row to
+  // memory. The sweep's gather cells, ours streamed against torch's index_select: 8 MiB of 256 B
+  // to 2 KiB rows from a few source rows 317-350 us against 73-108 us (0.23-0.45x), 16 MiB
+  // 0.40-0.64x; ours with plain stores, best of three medians: bf16 N = 4 K = 4096 D = 1024
+  // 104.9 us (streamed 318.6, index_select 94.6), N = 33 K = 32768 D = 128 109.6 us (320.6,
+  // 130.6). With a source of 16 MiB beside a 16 MiB dst streaming still won (1.19-1.49x of
+  // index_select, plain 0.9-1.1x). So on AMD a dst streams only when dst and source rows
+  // together fill the L3 (gather.cpp, stream_pays); kAssumedL3Bytes where sysfs does not say.
   static constexpr int64_t kStreamAboveBytes = 4 << 20;
+  static constexpr int64_t kAssumedL3Bytes = 32 << 20;
   static constexpr int64_t kStreamMinRowBytes = 256;
   static constexpr int64_t kStreamMaxRowBytes = 4096;
   static constexpr int kResidentSamples = 8;

@@ -128,11 +128,13 @@ struct RowKernels {
   // 4 KiB chunks a bf16 row of 4096 columns was read a quarter row at a time, once per chunk,
   // over every source: hot_row op bench (90% of K = 2N rows into one), EPYC, two threads, ms,
   // 4 KiB / 16 KiB, two alternated builds: bf16 D = 4096 N = 32768 56.4, 61.4 / 44.1, 48.7;
-  // D = 2048 41.0, 41.6 / 36.9, 41.1; float32 rows within this VM's noise (58-81 both ways).
+  // D = 2048 41.0, 41.6 / 36.9, 41.1; float32 rows within the noise of that VM (58-81 ms both
+  // ways). Not measured on the Xeon the other constants were tuned on, nor in float64.
   static constexpr int64_t kManyContributions = 8;
   static constexpr int64_t kBufferCols = 1024;
   static constexpr int64_t kBufferBytes = 16 << 10;
   static constexpr int64_t kBufferCap = kBufferBytes / static_cast<int64_t>(sizeof(A));
+  static_assert(kBufferCap % W == 0, "the buffer's last vector stays inside it");
   // Software prefetch distance inside a long row, in elements (512 B of bf16).
   static constexpr int64_t kPrefetchCols = 256;
   // Rows of more than one line and at most kNearRowBytes of columns, in a plan: each source row

@@ -475,9 +475,16 @@ TEST(Strategies, GatherBitsAreOneRoundedProductWhateverTheSplit) {
 // dst that fits in an AMD L3 with its source is not streamed) or by plain ones: rows that start
 // anywhere in a cache line (a padded dst stride), vector-sized ends, ignored rows, every split.
 TEST(Strategies, LargeGatherByStreamingStoresCopiesEveryByte) {
-  struct Unset {
-    ~Unset() { unsetenv("SCATTER_ADD_GATHER_STREAM"); }
-  } unset_at_exit;
+  struct Restore {  // the caller's setting, if any, after the test
+    const char* was = std::getenv("SCATTER_ADD_GATHER_STREAM");
+    std::string value = was ? was : "";
+    ~Restore() {
+      if (was)
+        setenv("SCATTER_ADD_GATHER_STREAM", value.c_str(), 1);
+      else
+        unsetenv("SCATTER_ADD_GATHER_STREAM");
+    }
+  } restore_at_exit;
   for (const char* stream : {"1", "0"}) {
     setenv("SCATTER_ADD_GATHER_STREAM", stream, 1);
     uint64_t seed = 950;
