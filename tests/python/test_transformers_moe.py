@@ -145,7 +145,7 @@ def test_gradients_match_eager(sa, name, model):
         # float32 sums in another order, carried back through the layers: relative to the largest
         # (up to 1.3e-6 of it seen on an EPYC, in an attention bias of Qwen2-MoE summed over tokens)
         scale = p.grad.abs().max().item()
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{pname} ({scale=}): {m}")
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=3e-6 * scale, msg=lambda m: f"{pname} ({scale=}): {m}")
         checked += ".experts." in pname
     # every expert weight (and bias) of every layer has a gradient that matched
     assert checked == sum(len(list(e.parameters())) for e in experts_modules(eager))
@@ -213,7 +213,7 @@ def bitwise_equal(a, b):
 def test_bitwise_identical_for_1_and_2_threads(sa, name, model, forms):
     """The experts of a bf16 model wide enough (hidden 512) for the dispatch and combine to split
     their work over 2 threads, on the model's own routing: a batch, and one token (one row per
-    expert: the matrix-vector path). Then a training step of the tiny model: logits and
+    expert: the matrix-vector path with AMX's forms). Then a training step of the tiny model: logits and
     expert-weight gradients.
 
     The expert products are torch's: oneDNN and MKL split the reduction of some product shapes
@@ -480,8 +480,9 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
     equals the per-expert product of the form it takes bit for bit, idle experts and sentinel rows
     included. With AMX's forms: swapped W_e @ x_e.T for small blocks, the loop's own otherwise, the
     grouped product for small blocks and never for blocks of one row. Without: the plain form,
-    grouped for every gate group of more than one block. Row counts are odd, so that the gate's
-    transposed output needs its padded copy."""
+    grouped for every gate group of more than one block. Bit for bit in float32 only with this
+    CPU's own forms (MKL may round the other CPU's float32 forms otherwise); bf16 always. Row
+    counts are odd, so that the gate's transposed output needs its padded copy."""
     moe = sa.moe
     g = torch.Generator().manual_seed(7)
     e_count, hidden, inter = 6, 64, 48
@@ -605,41 +606,3 @@ def test_inference_products_take_every_layout(sa, monkeypatch, layout):
         ref = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
     torch.testing.assert_close(ys, ref, rtol=1e-5, atol=1e-5)
 
-
-def test_training_buffers_are_advised_onto_huge_pages(sa, name, monkeypatch):
-    """The backward's fresh full-size buffers (weight gradients, pre-activation gradients) are
-    advised onto transparent huge pages before their first write: whole 2 MiB pages inside each
-    buffer, never past it; small buffers are left alone. The gradients stay those of eager."""
-    moe = sa.moe
-    calls = []
-
-    class Recorder:
-        def madvise(self, addr, length, advice):
-            calls.append((addr.value, length.value, advice))
-            return 0
-
-    if moe._LIBC is None:
-        pytest.fail("no libc handle on this platform")
-    monkeypatch.setattr(moe, "_LIBC", Recorder())
-    t = torch.empty(3 * (2 << 20) + 12345, dtype=torch.uint8)
-    assert moe._huge_pages(t) is t
-    (addr, length, advice), = calls
-    assert advice == 14 and addr % (2 << 20) == 0 and length % (2 << 20) == 0 and length >= 2 << 20
-    assert t.data_ptr() <= addr and addr + length <= t.data_ptr() + t.numel()
-    assert addr - t.data_ptr() < 2 << 20 and t.data_ptr() + t.numel() - (addr + length) < 2 << 20
-    calls.clear()
-    moe._huge_pages(torch.empty(1 << 20, dtype=torch.uint8))
-    assert calls == []
-
-    # a block whose expert weights are larger than two huge pages: its backward advises them
-    eager = build("mixtral", wide=True).train()
-    ours = with_impl(eager, name).train()
-    ids = tokens(n=5, batch=1)
-    for m in (eager, ours):
-        m(ids).logits.square().sum().backward()
-    weights = {id(e.gate_up_proj.grad): e.gate_up_proj.grad for e in experts_modules(ours)}
-    assert any(g.data_ptr() <= a < g.data_ptr() + g.numel() * g.element_size()
-               for a, _, _ in calls for g in weights.values())
-    for (pname, p), q in zip(eager.named_parameters(), ours.parameters()):
-        if ".experts." in pname:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max().item())

@@ -35,7 +35,6 @@ some shapes over threads (e.g. a down projection of 45-128 rows at hidden 1024, 
 3584 differs in the last bit between 1 and 2 threads), for every experts implementation alike.
 Where the products are reproducible, so is the layer.
 """
-import sys
 from typing import List, Optional
 
 import torch
@@ -53,7 +52,8 @@ _GATE_GROUP_ELEMS = 1 << 20  # see _experts_loop: 2 MiB of bf16 pre-activations 
 
 def _amx_tiles() -> bool:
     """Whether this CPU has AMX tiles, on which oneDNN multiplies bfloat16 (Sapphire Rapids and
-    later Xeons). The products' forms below were chosen by measurement on each kind of CPU."""
+    later Xeons). The products' forms below were measured in bf16 on a Xeon with AMX and on an
+    EPYC without it."""
     f = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
     try:
         return bool(f()) if f is not None else False
@@ -64,49 +64,6 @@ def _amx_tiles() -> bool:
 # The forms of the forward products: with AMX the swapped ones where they pay (_linear,
 # _grouped_swapped), without it plain ones (_grouped_plain). Tests set it to run either anywhere.
 _AMX = _amx_tiles()
-
-
-# --- fresh buffers --------------------------------------------------------------------------------
-# Training allocates full-size gradients of the expert weights on every backward (and the
-# forward saves its pre-activations), in memory that is mapped afresh each time: a large
-# allocation is its own mapping, handed back when the gradient is freed (optimizers set them to
-# None). Faulting those pages in 4 KiB at a time cost more than the products: Mixtral block
-# (hidden 1024, intermediate 3584, 8 experts, bf16), forward+backward at one token, 83 ms, of
-# which 35 ms zeroing six idle experts' gradients (132 MB, 3.8 GB/s) and most of the rest the
-# faults of the two active ones'. Such buffers are advised onto transparent huge pages
-# (madvise MADV_HUGEPAGE, before their first write; the kernel's "madvise" and "always" modes
-# honour it, "never" ignores it): 83 -> 36 ms (grouped_mm 88 ms), 64 tokens 141 -> 95 ms (143).
-# torch's own allocator does the same for every tensor with THP_MEM_ALLOC_ENABLE=1.
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-def _libc():
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
-def _huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t, its whole huge pages advised onto transparent huge pages (CPU tensors of at least two
-    huge pages on Linux; others as they are). Call it before the first write."""
-    if _LIBC is None or t.device.type != "cpu" or t.numel() * t.element_size() < 2 * _HUGE_PAGE:
-        return t
-    import ctypes
-
-    begin = t.data_ptr()
-    start = (begin + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
-    end = (begin + t.numel() * t.element_size()) & ~(_HUGE_PAGE - 1)
-    if end > start:
-        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    return t
 
 
 # --- one expert's products ------------------------------------------------------------------------
@@ -128,16 +85,19 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     swap: its backward would pay transposing copies. One row: a matrix-vector product (about
     1.7x faster than a one-row matrix product there).
 
-    All of that was measured on a Xeon with AMX. Without AMX (an EPYC with AVX-512 BF16, bf16,
-    two threads, ms per product, plain / swapped / matrix-vector) both tricks lose, so only the
-    plain form runs there: Mixtral's up 0.82 / 0.72 / 2.09 at one row, 0.73 / 2.15 at 2 rows,
-    1.17 / 2.21 at 8, 2.03 / 1.79 at 32, 5.43 / 6.26 at 128; Qwen3-MoE's up 0.09 / 0.09 / 0.19 at
-    one row, 0.09 / 0.20 at 2, 0.11 / 0.20 at 8."""
+    All of that was measured on a Xeon with AMX, in bf16 (other dtypes take the same forms).
+    Without AMX (an EPYC with AVX-512 BF16, bf16, two threads, ms per product, plain / swapped /
+    matrix-vector) the matrix-vector product is 2-2.5x slower than a one-row product and the
+    swapped form 1.8-2.9x slower at 2 to 8 rows, about even elsewhere: Mixtral's up 0.82 / 0.72 /
+    2.09 at one row, 0.73 / 2.15 at 2 rows, 1.17 / 2.21 at 8, 2.03 / 1.79 at 32, 5.43 / 6.26 at
+    128; Qwen3-MoE's up 0.09 / 0.09 / 0.19 at one row, 0.09 / 0.20 at 2, 0.11 / 0.20 at 8. So
+    there (and off the CPU) only the plain form runs."""
     w = weight[e]
-    if x.shape[0] == 1 and _AMX:
+    amx = _AMX and x.device.type == "cpu"
+    if x.shape[0] == 1 and amx:
         mat = w.t() if transposed else w
         y = (torch.mv(mat, x[0]) if bias is None else torch.addmv(bias[e], mat, x[0]))[None]
-    elif transposed or not swap or not _AMX or x.shape[0] > min(_SWAP_MAX_ROWS, x.shape[1] // 16):
+    elif transposed or not swap or not amx or x.shape[0] > min(_SWAP_MAX_ROWS, x.shape[1] // 16):
         w = w if transposed else w.t()
         if out is not None:
             return torch.mm(x, w, out=out) if bias is None else torch.addmm(bias[e], x, w, out=out)
@@ -365,8 +325,8 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, offsets, w_in, b_in, w_out, b_out, transposed, gate):
-        hs = _huge_pages(xs.new_empty(xs.shape[0], _out_features(w_in, transposed)))
-        ys = _huge_pages(xs.new_empty(xs.shape[0], _out_features(w_out, transposed)))
+        hs = xs.new_empty(xs.shape[0], _out_features(w_in, transposed))
+        ys = xs.new_empty(xs.shape[0], _out_features(w_out, transposed))
         end = 0
         for e, start, end in _blocks(offsets):
             h = _linear(xs[start:end], w_in, e, b_in, transposed, out=hs[start:end], swap=False)
@@ -384,16 +344,16 @@ class _Experts(torch.autograd.Function):
         grad_ys = grad_ys.to(xs.dtype)
         blocks = list(_blocks(offsets))
         rows = blocks[-1][2] if blocks else 0
-        grad_x = _unwritten_zero(_huge_pages(torch.empty_like(xs)), blocks) if need_x else None
-        grad_w_in = _idle_zero(_huge_pages(torch.empty_like(w_in)), blocks) if need_w_in else None
-        grad_w_out = _idle_zero(_huge_pages(torch.empty_like(w_out)), blocks) if need_w_out else None
+        grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
+        grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
+        grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
         grad_b_in = w_in.new_zeros(w_in.shape[0], _out_features(w_in, tr)) if need_b_in else None
         grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
         with torch.enable_grad():
             h = hs[:rows].detach().requires_grad_(True)
             a = ctx.gate(h)
         # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
-        grad_a = _huge_pages(a.new_empty(a.shape))
+        grad_a = a.new_empty(a.shape)
         for e, start, end in blocks:
             _grad_input(grad_ys[start:end], w_out, e, tr, out=grad_a[start:end])
         (grad_h,) = torch.autograd.grad(a, h, grad_a) if rows else (h,)
@@ -411,7 +371,7 @@ class _Experts(torch.autograd.Function):
 
 def _grouped_linear_impl(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                          bias: Optional[torch.Tensor], transposed: bool) -> torch.Tensor:
-    out = _huge_pages(x.new_empty(x.shape[0], _out_features(weight, transposed)))
+    out = x.new_empty(x.shape[0], _out_features(weight, transposed))
     end = 0
     for e, start, end in _blocks(offsets):
         _linear(x[start:end], weight, e, bias, transposed, out=out[start:end])
@@ -428,8 +388,8 @@ def _grouped_linear_backward_impl(grad: torch.Tensor, x: torch.Tensor, weight: t
                                   need_x: bool, need_weight: bool) -> List[torch.Tensor]:
     grad = grad.to(x.dtype)
     blocks = list(_blocks(offsets))
-    grad_x = _unwritten_zero(_huge_pages(torch.empty_like(x)), blocks) if need_x else x.new_empty(0)
-    grad_w = _idle_zero(_huge_pages(torch.empty_like(weight)), blocks) if need_weight else weight.new_empty(0)
+    grad_x = _unwritten_zero(torch.empty_like(x), blocks) if need_x else x.new_empty(0)
+    grad_w = _idle_zero(torch.empty_like(weight), blocks) if need_weight else weight.new_empty(0)
     grad_b = (weight.new_zeros(weight.shape[0], _out_features(weight, transposed)) if need_weight and has_bias
               else weight.new_empty(0))
     for e, start, end in blocks:
