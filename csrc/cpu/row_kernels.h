@@ -123,15 +123,22 @@ struct RowKernels {
   using E = typename Ops::elem;
   static constexpr int W = Ops::width;
   static constexpr int kUnroll = 4;
-  // Hot-row path above this many contributions, for rows of kBufferCols columns or more; its
-  // buffer of sums holds kBufferBytes (a column chunk of that many bytes of accumulators). With
-  // 4 KiB chunks a bf16 row of 4096 columns was read a quarter row at a time, once per chunk,
-  // over every source: hot_row op bench (90% of K = 2N rows into one), EPYC, two threads, ms,
-  // 4 KiB / 16 KiB, two alternated builds: bf16 D = 4096 N = 32768 56.4, 61.4 / 44.1, 48.7;
-  // D = 2048 41.0, 41.6 / 36.9, 41.1; float32 rows within the noise of that VM (58-81 ms both
-  // ways). Not measured on the Xeon the other constants were tuned on, nor in float64.
+  // Hot-row path above this many contributions, for column ranges of kBufferMinBlocks register
+  // blocks (kUnroll * W columns) or more; its buffer of sums holds kBufferBytes (a column chunk of
+  // that many bytes of accumulators). The register path walks every source once per block, and
+  // each walk pays a cache miss per source row; the buffered one walks them once, at the price of
+  // a load and a store of the buffer per vector. EPYC, one thread, count plan, the 59k sources of
+  // a hot row (8 KiB apart) added over a column window, ms, register / buffered: float32 64
+  // columns 2.3-2.5 / 3.0-4.2, 128 4.7-6.8 / 5.1-6.8, 256 10.5-10.9 / 8.7-10.7, 512 21.2 /
+  // 13.7-16.4, 1008 42.7-47.0 / 21.7-27.8; bf16 64 1.6-2.3 / 2.8-3.4, 128 2.9-3.6 / 4.1-5.6,
+  // 256 8.5-10.1 / 7.0-9.1, 1008 37.8-39.7 / 18.1-20.3. With sources in cache (K = 64 and 512,
+  // 128 to 1008 columns) the two were within 10% except float32 K = 512 w = 1008 (34-45 / 32 us).
+  // The threshold was once 1024 columns, which sent the second thread's share of a two-way split
+  // float32 hot row (D = 2048, columns 1280 to 2048) down the register path: 40-60 ms against
+  // 22 ms for columns 1024 to 2048.
   static constexpr int64_t kManyContributions = 8;
-  static constexpr int64_t kBufferCols = 1024;
+  static constexpr int64_t kBufferMinBlocks = 4;
+  static constexpr int64_t kBufferMinCols = kBufferMinBlocks * kUnroll * W;
   static constexpr int64_t kBufferBytes = 16 << 10;
   static constexpr int64_t kBufferCap = kBufferBytes / static_cast<int64_t>(sizeof(A));
   static_assert(kBufferCap % W == 0, "the buffer's last vector stays inside it");
@@ -206,7 +213,7 @@ struct RowKernels {
   static void add_row(T* out, const T* src, int64_t stride, Ids ids, int64_t n, const A* w, int64_t c0, int64_t c1,
                       bool inside, int64_t fetch_end) {
     const uint64_t sb = static_cast<uint64_t>(stride) * sizeof(T);
-    if (n > kManyContributions && c1 - c0 >= kBufferCols) {
+    if (n > kManyContributions && c1 - c0 >= kBufferMinCols) {
       add_row_buffered<Weighted>(out, src, stride, ids, n, w, c0, c1);
       return;
     }

@@ -108,6 +108,9 @@ const StrategyShape kStrategyShapes[] = {
     {300, 2000, 4, Pattern::uniform}, {3000, 1000, 4, Pattern::zipf},  {2000, 900, 3, Pattern::hot_row},
     // a hot row wider than the hot-row buffer (16 KiB of sums): summed in several column chunks
     {8, 40, 4500, Pattern::hot_row},
+    // a hot row of a few register blocks: buffered on one thread, and split by columns into
+    // shares on both sides of the buffered path's threshold on two and three
+    {16, 200, 300, Pattern::hot_row},
 };
 const sa::Strategy kStrategies[] = {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix};
 
