@@ -78,6 +78,20 @@ using GatherFn = void (*)(const GatherJob& job, int64_t i0, int64_t i1, int64_t 
 // dst_row[c] = round(w * x_row[c]) for c in [c0, c1), w converted to the accumulator type.
 using ScaleRowFn = void (*)(void* dst_row, const void* x_row, double w, int64_t c0, int64_t c1);
 
+// Small products (small_matmul.cpp): y[i][o] = round(sum over c of x[i][c] * w[o][c]) for
+// rows i < m and w rows [o0, o1), bfloat16 in and out, each sum in float32. Every element is
+// summed by the same operations whichever range it falls in, so a split changes no bits.
+struct SmallMatmulJob {
+  uint16_t* y;
+  int64_t y_stride;
+  const uint16_t* x;
+  int64_t x_stride;
+  const uint16_t* w;
+  int64_t w_stride;
+  int64_t m, cols;
+};
+using SmallMatmulFn = void (*)(const SmallMatmulJob& job, int64_t o0, int64_t o1);
+
 struct KernelTable {
   AddRowsFn rows[4][2];          // [DType][weighted]
   AddDirectFn direct[4][2][2];   // [DType][weighted][index is int64]
@@ -86,6 +100,7 @@ struct KernelTable {
   ScratchFn scratch_copy[4];     // bf16/f16 only
   GatherFn gather[4][2][2];      // [DType][weighted][index is int64]
   ScaleRowFn scale[4];           // [DType]
+  SmallMatmulFn small_matmul;    // AVX-512 levels only; null elsewhere
 };
 
 const KernelTable& kernels_scalar();

@@ -138,6 +138,94 @@ struct Avx512F16 : Avx512F32 {
   }
 };
 
+// ---- small products ----------------------------------------------------------------------------
+// y = x @ w.T for a few rows of x (small_matmul.cpp). Each 64-byte step of a w row holds 32
+// bf16 values: the even ones become float32 by a shift, the odd ones by a mask, and each lane
+// adds its even product, then its odd one, by FMA into its row pair's accumulator; the 16 lanes
+// are summed by lanes_sum and rounded once. R rows of w at a time share each step's
+// x vectors (R * M accumulators, at most 16 of the 32 registers).
+inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 bf16_odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u)))); }
+
+// The 16 lanes' sum, halves added pairwise in a fixed order. The masked forms of the shuffles
+// (all lanes) name their pass-through register, where the plain ones and
+// _mm512_reduce_add_ps read an undefined one that GCC 12 warns about.
+inline float lanes_sum(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_mask_shuffle_f32x4(v, 0xFFFF, v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_mask_shuffle_f32x4(v, 0xFFFF, v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_mask_permute_ps(v, 0xFFFF, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_mask_permute_ps(v, 0xFFFF, v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
+
+template <int M, int R>
+void small_matmul_block(const SmallMatmulJob& j, int64_t o) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < M; ++i) acc[r][i] = _mm512_setzero_ps();
+  const uint16_t* w[R];
+  for (int r = 0; r < R; ++r) w[r] = j.w + (o + r) * j.w_stride;
+  const int64_t n = j.cols;
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    __m512 xe[M], xo[M];
+    for (int i = 0; i < M; ++i) {
+      const __m512i v = _mm512_loadu_si512(j.x + i * j.x_stride + c);
+      xe[i] = bf16_even(v);
+      xo[i] = bf16_odd(v);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_loadu_si512(w[r] + c);
+      const __m512 we = bf16_even(v), wo = bf16_odd(v);
+      for (int i = 0; i < M; ++i) acc[r][i] = _mm512_fmadd_ps(wo, xo[i], _mm512_fmadd_ps(we, xe[i], acc[r][i]));
+    }
+  }
+  if (c < n) {  // the last 1 to 31 columns: the lanes past the end add nothing
+    const int64_t rest = n - c;
+    const __mmask32 k = static_cast<__mmask32>((uint64_t(1) << rest) - 1);
+    const __mmask16 ke = static_cast<__mmask16>((uint32_t(1) << ((rest + 1) / 2)) - 1);
+    const __mmask16 ko = static_cast<__mmask16>((uint32_t(1) << (rest / 2)) - 1);
+    __m512 xe[M], xo[M];
+    for (int i = 0; i < M; ++i) {
+      const __m512i v = _mm512_maskz_loadu_epi16(k, j.x + i * j.x_stride + c);
+      xe[i] = bf16_even(v);
+      xo[i] = bf16_odd(v);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i v = _mm512_maskz_loadu_epi16(k, w[r] + c);
+      const __m512 we = bf16_even(v), wo = bf16_odd(v);
+      for (int i = 0; i < M; ++i) {
+        acc[r][i] = _mm512_mask3_fmadd_ps(we, xe[i], acc[r][i], ke);
+        acc[r][i] = _mm512_mask3_fmadd_ps(wo, xo[i], acc[r][i], ko);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < M; ++i) j.y[i * j.y_stride + o + r] = f32_to_bf16(lanes_sum(acc[r][i]));
+}
+
+template <int M>
+void small_matmul_m(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 6 : M <= 4 ? 4 : 2;
+  int64_t o = o0;
+  for (; o + R <= o1; o += R) small_matmul_block<M, R>(j, o);
+  for (; o < o1; ++o) small_matmul_block<M, 1>(j, o);
+}
+
+void small_matmul(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+  switch (j.m) {
+    case 1: return small_matmul_m<1>(j, o0, o1);
+    case 2: return small_matmul_m<2>(j, o0, o1);
+    case 3: return small_matmul_m<3>(j, o0, o1);
+    case 4: return small_matmul_m<4>(j, o0, o1);
+    case 5: return small_matmul_m<5>(j, o0, o1);
+    case 6: return small_matmul_m<6>(j, o0, o1);
+    case 7: return small_matmul_m<7>(j, o0, o1);
+    case 8: return small_matmul_m<8>(j, o0, o1);
+    default: return;
+  }
+}
+
 }  // namespace
 
 #if SCATTER_ADD_AVX512_BF16
@@ -145,7 +233,11 @@ const KernelTable& kernels_avx512_bf16() {
 #else
 const KernelTable& kernels_avx512() {
 #endif
-  static const KernelTable t = make_table<Avx512F32, Avx512F64, Avx512BF16, Avx512F16>();
+  static const KernelTable t = [] {
+    KernelTable k = make_table<Avx512F32, Avx512F64, Avx512BF16, Avx512F16>();
+    k.small_matmul = &small_matmul;
+    return k;
+  }();
   return t;
 }
 

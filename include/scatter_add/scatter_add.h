@@ -145,6 +145,16 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& ind
 void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
                  const WeightVector& weight = {}, const Options& options = {});
 
+// y = x @ w.T for bfloat16 x [m, h], w [o, h] (an expert's weight as transformers stores it) and
+// y [m, o]: each element the float32 sum of its h products (exact in float32; summed in 16
+// lanes, then the lanes in a fixed order), rounded once. Threads split the rows of w, so the bits
+// do not depend on the thread count. Made for an MoE expert's products at decode sizes, which
+// read w once for every row of x. Returns false, writing nothing, when no kernel serves the call
+// (CPUs below the avx512 level, or m > kSmallMatmulMaxRows); throws Error on a dtype, shape or
+// overlap problem.
+constexpr int64_t kSmallMatmulMaxRows = 8;
+bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options = {});
+
 // True when two row-major views may share an element: exact for views with the same row stride
 // and rows no longer than it (e.g. two column slices of one matrix) and for single-row views,
 // conservative (true when their byte ranges meet) otherwise. A 1-D buffer is a one-row view.

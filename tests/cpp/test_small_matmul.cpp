@@ -1,0 +1,147 @@
+// small_matmul (y = x @ w.T in bfloat16, a few rows of x): against a float64 reference within
+// one float32 summation bound and one bf16 rounding, the same bits on 1 to 3 threads, strided
+// views, special values, the levels it declines, and bad input leaving y untouched.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "scatter_add/scatter_add.h"
+#include "test_util.h"
+
+namespace {
+
+struct Mm {
+  int64_t m, o, h, xs, ws, ys;
+  Buf x, w, y;
+  Mm(int64_t m_, int64_t o_, int64_t h_, int64_t pad, std::mt19937_64& rng)
+      : m(m_), o(o_), h(h_), xs(h_ + pad), ws(h_ + 2 * pad), ys(o_ + pad),
+        x(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * xs, 1)), rng)),
+        w(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(o * ws, 1)), rng)),
+        y(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * ys, 1)), rng)) {}
+  sa::Matrix ym() { return {y.data(), m, o, ys, DType::bf16}; }
+  sa::ConstMatrix xm() const { return {x.data(), m, h, xs, DType::bf16}; }
+  sa::ConstMatrix wm() const { return {w.data(), o, h, ws, DType::bf16}; }
+  bool run(int threads) {
+    sa::Options opt;
+    opt.num_threads = threads;
+    return sa::small_matmul(ym(), xm(), wm(), opt);
+  }
+};
+
+bool served() { return sa::active_isa() >= sa::Isa::avx512; }
+
+TEST(SmallMatmul, MatchesFloat64WithinOneRounding) {
+  std::mt19937_64 rng(7);
+  for (int64_t m = 1; m <= sa::kSmallMatmulMaxRows; ++m)
+    for (int64_t h : {0, 1, 17, 31, 32, 33, 64, 100, 1030})
+      for (int64_t o : {1, 5, 9, 33, 70}) {
+        Mm t(m, o, h, (m + h) % 3 == 0 ? 0 : 7, rng);
+        const Buf before = t.y;
+        const bool ran = t.run(2);
+        ASSERT_EQ(ran, served()) << "isa=" << sa::isa_name(sa::active_isa());
+        if (!ran) {
+          ASSERT_EQ(t.y.bytes, before.bytes) << "a declined call wrote y";
+          continue;
+        }
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t r = 0; r < t.ys; ++r) {
+            const size_t at = static_cast<size_t>(i * t.ys + r);
+            if (r >= o) {  // padding past the view stays as it was
+              ASSERT_EQ(t.y.get(at), before.get(at)) << "m=" << m << " o=" << o << " h=" << h;
+              continue;
+            }
+            double ref = 0, mag = 0;
+            for (int64_t c = 0; c < h; ++c) {
+              const double p = t.x.get(static_cast<size_t>(i * t.xs + c)) * t.w.get(static_cast<size_t>(r * t.ws + c));
+              ref += p;
+              mag += std::fabs(p);
+            }
+            // float32 sums: at most h + 16 roundings of 2^-24 of the magnitudes; then one bf16 rounding.
+            const double bound = static_cast<double>(h + 16) * std::ldexp(mag, -24) + std::ldexp(std::fabs(ref), -8) + 1e-30;
+            ASSERT_LE(std::fabs(t.y.get(at) - ref), bound)
+                << "m=" << m << " o=" << o << " h=" << h << " row " << i << " col " << r << ": " << t.y.get(at)
+                << " want " << ref;
+          }
+      }
+}
+
+TEST(SmallMatmul, SameBitsOnEveryThreadCount) {
+  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx512 (isa=" << sa::isa_name(sa::active_isa()) << ")";
+  std::mt19937_64 rng(11);
+  for (int64_t m : {1, 3, 8})
+    for (int64_t o : {31, 200, 1000}) {
+      Mm t(m, o, 300, 0, rng);
+      ASSERT_TRUE(t.run(1));
+      const Buf one = t.y;
+      for (int threads : {2, 3}) {
+        ASSERT_TRUE(t.run(threads));
+        ASSERT_EQ(t.y.bytes, one.bytes) << "m=" << m << " o=" << o << " threads=" << threads;
+      }
+    }
+}
+
+TEST(SmallMatmul, SpecialValues) {
+  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx512";
+  std::mt19937_64 rng(3);
+  Mm t(2, 40, 70, 0, rng);
+  t.x.set(5, std::nan(""));                    // row 0: every result NaN
+  t.w.set(static_cast<size_t>(3 * 70 + 69), INFINITY);  // column 3, in the tail: +-inf unless NaN
+  ASSERT_TRUE(t.run(2));
+  for (int64_t r = 0; r < 40; ++r) ASSERT_TRUE(std::isnan(t.y.get(static_cast<size_t>(r)))) << r;
+  const double xv = t.x.get(70 + 69);
+  ASSERT_EQ(t.y.get(static_cast<size_t>(40 + 3)), xv > 0 ? INFINITY : -INFINITY);
+  // float32 range: bf16 products far past bf16's largest value sum without overflow
+  Mm big(1, 1, 40, 0, rng);
+  for (int64_t c = 0; c < 40; ++c) {
+    big.x.set(static_cast<size_t>(c), 1e30);
+    big.w.set(static_cast<size_t>(c), c % 2 ? 1e-30 : 2e-30);
+  }
+  ASSERT_TRUE(big.run(1));
+  EXPECT_NEAR(big.y.get(0), 60.0, 60.0 * std::ldexp(1.0, -7));
+}
+
+TEST(SmallMatmul, DeclinesMoreRowsAndLowerLevels) {
+  std::mt19937_64 rng(5);
+  Mm t(sa::kSmallMatmulMaxRows + 1, 10, 20, 0, rng);
+  const Buf before = t.y;
+  EXPECT_FALSE(t.run(2));
+  EXPECT_EQ(t.y.bytes, before.bytes);
+  const sa::Isa was = sa::active_isa();
+  sa::set_isa(sa::Isa::avx2);
+  Mm u(2, 10, 20, 0, rng);
+  const Buf ub = u.y;
+  EXPECT_FALSE(u.run(2));
+  EXPECT_EQ(u.y.bytes, ub.bytes);
+  sa::set_isa(was);
+}
+
+TEST(SmallMatmul, BadInputNamesTheArgumentAndLeavesYUntouched) {
+  std::mt19937_64 rng(9);
+  auto expect_error = [](const char* what, auto&& call, const Buf& y, const Buf& before) {
+    try {
+      call();
+      ADD_FAILURE() << "no error for " << what;
+    } catch (const sa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      EXPECT_EQ(e.kind(), sa::Error::Kind::value);
+    }
+    EXPECT_EQ(y.bytes, before.bytes) << what;
+  };
+  Mm t(2, 10, 20, 0, rng);
+  const Buf before = t.y;
+  Buf xf = random_buf(DType::f32, 40, rng);
+  expect_error("x dtype is float32", [&] { sa::small_matmul(t.ym(), {xf.data(), 2, 20, 20, DType::f32}, t.wm()); }, t.y, before);
+  expect_error("x has 19 columns but w has 20", [&] { sa::small_matmul(t.ym(), {t.x.data(), 2, 19, 20, DType::bf16}, t.wm()); }, t.y, before);
+  expect_error("y has shape [2, 10] but x @ w.T has shape [2, 9]", [&] { sa::small_matmul(t.ym(), t.xm(), {t.w.data(), 9, 20, 20, DType::bf16}); }, t.y, before);
+  Buf shared = random_buf(DType::bf16, 220, rng);  // y [2, 10] inside w [10, 20]
+  const Buf shared_before = shared;
+  expect_error("w memory overlaps y",
+               [&] { sa::small_matmul({static_cast<uint16_t*>(shared.data()) + 20, 2, 10, 10, DType::bf16}, t.xm(), {shared.data(), 10, 20, 20, DType::bf16}); },
+               shared, shared_before);
+  expect_error("y row stride 5 is smaller", [&] { sa::small_matmul({t.y.data(), 2, 10, 5, DType::bf16}, t.xm(), t.wm()); }, t.y, before);
+}
+
+}  // namespace
