@@ -509,6 +509,24 @@ struct Cpu {
   }
 };
 
+// out = x @ w.T for bfloat16 CPU matrices of a few rows x (an MoE expert's products at decode
+// sizes, see sa::small_matmul); false, with out untouched, where the core has no kernel for the
+// call (the caller multiplies with torch). out, x and w: 2-D, rows with unit column stride.
+bool small_matmul_op(const Tensor& out, const Tensor& x, const Tensor& w) {
+  const char* op = "small_matmul_";
+  const Info oi(defined(op, "out", out)), xi(defined(op, "x", x)), wi(defined(op, "w", w));
+  const std::pair<const char*, const Info*> args[] = {{"out", &oi}, {"x", &xi}, {"w", &wi}};
+  for (const auto& [name, i] : args) {
+    if (i->device_type != kCodes.cpu) fail(Kind::value, op, name, " must be on the CPU, got ", DeviceName{*i});
+    if (i->dim != 2) fail(Kind::value, op, name, " must be 2-D, got shape ", Shape{*i});
+    if (i->dtype != kCodes.bf16) fail(Kind::value, op, name, " must be BFloat16, got ", DTypeName{*i});
+    if (!unit_columns(*i)) fail(Kind::value, op, name, " must have contiguous rows, got strides (", i->stride[0], ", ", i->stride[1], ")");
+  }
+  bool ran = false;
+  call_core(op, [&] { ran = sa::small_matmul(matrix_of(oi), matrix_of(xi), matrix_of(wi), Cpu::options(std::nullopt)); });
+  return ran;
+}
+
 #if defined(SA_WITH_CUDA)
 // CUDA: weights in the accumulator dtype, a workspace from torch's caching allocator, torch's
 // current stream on the input's device.
@@ -574,6 +592,9 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("index_add_plain(Tensor input, Tensor index, Tensor src, Tensor? weight=None, "
         "int? ignore_index=None) -> Tensor");
   m.def("gather_plain(Tensor input, Tensor index, Tensor? weight=None, int? ignore_index=None) -> Tensor");
+  // out = x @ w.T, bf16, a few rows of x, CPU (the MoE experts' products at decode sizes); returns
+  // whether it ran. Nothing registered above the backend: callers use it only with nothing to record.
+  m.def("small_matmul_(Tensor(a!) out, Tensor x, Tensor w) -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -584,6 +605,7 @@ STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("scatter_add_plain_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
   m.impl("index_add_plain", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
   m.impl("gather_plain", TORCH_BOX(&scatter_add_torch::gather_op<B>));
+  m.impl("small_matmul_", TORCH_BOX(&scatter_add_torch::small_matmul_op));
 }
 
 #if defined(SA_WITH_CUDA)

@@ -1,0 +1,155 @@
+"""ops.small_matmul_ (out = x @ w.T in bf16 for a few rows of x, the MoE experts' products at
+decode sizes): accuracy against float64 next to torch.mm's, the same bits on 1 and 2 threads,
+the calls it declines, errors that name the argument and leave out untouched, fake tensors, and
+its use by the MoE experts loop."""
+import re
+
+import pytest
+import torch
+
+
+def small(sa):
+    return sa.ops.small_matmul_.default
+
+
+def served(sa):
+    one = torch.ones(1, 1, dtype=torch.bfloat16)
+    return bool(small(sa)(torch.empty_like(one), one, one))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("o, h", [(1, 1), (7, 31), (33, 64), (70, 100), (300, 1030)])
+def test_matches_float64_as_torch_mm_does(sa, rows, o, h):
+    if not served(sa):
+        pytest.skip("small_matmul_ has no kernel on this CPU (below AVX-512): the experts use torch.mm")
+    g = torch.Generator().manual_seed(rows * 1000 + o + h)
+    x = torch.randn(rows, h, generator=g).bfloat16()
+    w = torch.randn(o, h, generator=g).bfloat16()
+    out = torch.full((rows, o), 7.0, dtype=torch.bfloat16)
+    assert small(sa)(out, x, w)
+    ref = x.double() @ w.double().t()
+    mag = x.double().abs() @ w.double().abs().t()
+    # float32 sums (at most h + 16 roundings of 2^-24 of the magnitudes), then one bf16 rounding
+    bound = (h + 16) * 2.0 ** -24 * mag + 2.0 ** -8 * ref.abs()
+    assert ((out.double() - ref).abs() <= bound).all()
+    theirs = (torch.mm(x, w.t()).double() - ref).abs().max()
+    assert (out.double() - ref).abs().max() <= theirs + 2.0 ** -8 * ref.abs().max()
+
+
+def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa):
+    if not served(sa):
+        pytest.skip("small_matmul_ has no kernel on this CPU (below AVX-512)")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 600, generator=g).bfloat16()
+    w = torch.randn(1000, 700, generator=g).bfloat16()[:, 50:650]  # rows 700 apart
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.zeros(3, 1000, dtype=torch.bfloat16)
+            assert small(sa)(out, x, w)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    padded = torch.zeros(3, 1024, dtype=torch.bfloat16)
+    assert small(sa)(padded[:, :1000], x, w)
+    assert torch.equal(padded[:, :1000], outs[0]) and not padded[:, 1000:].any()
+
+
+def test_declines_more_rows_leaving_out_untouched(sa):
+    x = torch.randn(9, 16).bfloat16()
+    w = torch.randn(5, 16).bfloat16()
+    out = torch.full((9, 5), 3.0, dtype=torch.bfloat16)
+    assert small(sa)(out, x, w) is False
+    assert torch.equal(out, torch.full((9, 5), 3.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("x_float", "x must be BFloat16, got Float"),
+    ("w_1d", "w must be 2-D, got shape [16]"),
+    ("x_columns", "x must have contiguous rows, got strides (1, 2)"),
+    ("shape", "x has 16 columns but w has 15"),
+    ("out_shape", "y has shape [2, 4] but x @ w.T has shape [2, 5]"),
+    ("overlap", "w memory overlaps y"),
+])
+def test_bad_input_names_the_argument_and_leaves_out_untouched(sa, bad, message):
+    x = torch.randn(2, 16).bfloat16()
+    w = torch.randn(5, 16).bfloat16()
+    out = torch.full((2, 5), 3.0, dtype=torch.bfloat16)
+    if bad == "x_float":
+        x = x.float()
+    if bad == "w_1d":
+        w = w[0]
+    if bad == "x_columns":
+        x = torch.randn(16, 2).bfloat16().t()
+    if bad == "shape":
+        w = w[:, :15]
+    if bad == "out_shape":
+        out = out[:, :4]
+    if bad == "overlap":
+        store = torch.zeros(100, dtype=torch.bfloat16)
+        w, out = store[:80].view(5, 16), store[10:20].view(2, 5)
+    before = out.clone()
+    with pytest.raises(RuntimeError, match=re.escape("ValueError: small_matmul_: " + message)):
+        small(sa)(out, x, w)
+    assert torch.equal(out, before)
+
+
+def test_fake_tensors_decline(sa):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(1, 8, dtype=torch.bfloat16)
+        w = torch.empty(4, 8, dtype=torch.bfloat16)
+        assert small(sa)(torch.empty(1, 4, dtype=torch.bfloat16), x, w) is False
+
+
+@pytest.mark.parametrize("rows", [[1, 0, 2, 1], [3, 4, 1, 2], [9, 1, 12, 20]])
+def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows):
+    """The MoE experts loop (no grad, bf16, without AMX) multiplies blocks of at most four rows
+    with small_matmul_ and the rest as before; every block equals its own product."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_AMX", False)
+    monkeypatch.setattr(moe, "_small_kernel", served(sa))  # probed here, not counted below
+    g = torch.Generator().manual_seed(5)
+    e_count, hidden, inter = 4, 64, 40
+    w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
+    w_out = (0.2 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
+    ends = torch.tensor(rows).cumsum(0)
+    xs = torch.randn(int(ends[-1]), hidden, generator=g).bfloat16()
+
+    def gate(h):
+        return torch.relu(h[:, :inter]) * h[:, inter:]
+
+    calls = {"n": 0}
+    real = moe.ops
+
+    class Counting:
+        class small_matmul_:
+            @staticmethod
+            def default(*args):
+                calls["n"] += 1
+                return real.small_matmul_.default(*args)
+
+    monkeypatch.setattr(moe, "ops", Counting)
+    with torch.no_grad():
+        ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    small_blocks = sum(1 for r in rows if 0 < r <= moe._SMALL_ROWS)
+    looped = served(sa) and 2 * small_blocks >= sum(1 for r in rows if r > 0)
+    assert calls["n"] == (2 * small_blocks if looped else 0)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        x = xs[start:end]
+        if end == start:
+            continue
+        if looped and end - start <= moe._SMALL_ROWS:
+            h = torch.empty(end - start, 2 * inter, dtype=torch.bfloat16)
+            assert real.small_matmul_.default(h, x, w_in[e])
+            want = torch.empty(end - start, hidden, dtype=torch.bfloat16)
+            assert real.small_matmul_.default(want, gate(h), w_out[e])
+            assert torch.equal(ys[start:end], want)
+        else:
+            want = torch.mm(gate(torch.mm(x, w_in[e].t())), w_out[e].t())
+            torch.testing.assert_close(ys[start:end], want, rtol=0, atol=0)
+        start = end
