@@ -513,7 +513,7 @@ struct Cpu {
 // sizes, see sa::small_matmul); false, with out untouched, where the core has no kernel for the
 // call (the caller multiplies with torch). out, x and w: 2-D, rows with unit column stride.
 bool small_matmul_op(const Tensor& out, const Tensor& x, const Tensor& w) {
-  const char* op = "small_matmul_";
+  const char* op = "small_matmul";
   const Info oi(defined(op, "out", out)), xi(defined(op, "x", x)), wi(defined(op, "w", w));
   const std::pair<const char*, const Info*> args[] = {{"out", &oi}, {"x", &xi}, {"w", &wi}};
   for (const auto& [name, i] : args) {
@@ -594,7 +594,7 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("gather_plain(Tensor input, Tensor index, Tensor? weight=None, int? ignore_index=None) -> Tensor");
   // out = x @ w.T, bf16, a few rows of x, CPU (the MoE experts' products at decode sizes); returns
   // whether it ran. Nothing registered above the backend: callers use it only with nothing to record.
-  m.def("small_matmul_(Tensor(a!) out, Tensor x, Tensor w) -> bool");
+  m.def("small_matmul(Tensor(a!) out, Tensor x, Tensor w) -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -605,7 +605,7 @@ STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("scatter_add_plain_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
   m.impl("index_add_plain", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
   m.impl("gather_plain", TORCH_BOX(&scatter_add_torch::gather_op<B>));
-  m.impl("small_matmul_", TORCH_BOX(&scatter_add_torch::small_matmul_op));
+  m.impl("small_matmul", TORCH_BOX(&scatter_add_torch::small_matmul_op));
 }
 
 #if defined(SA_WITH_CUDA)

@@ -24,7 +24,8 @@ bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, c
   const int64_t o = w.rows;
   const int nt = cpu::threads_for(options, static_cast<double>(o) * static_cast<double>(w.cols) * 2.0);
   cpu::parallel_run(nt, [&](int t, int n) {
-    // Shares of whole 64-byte lines of every y row (32 columns), so threads never write one line.
+    // Shares of 32 columns (a 64-byte line of y where its rows start on one), so that threads
+    // write the same line only where they do not.
     const int64_t lines = (o + 31) / 32;
     const int64_t o0 = std::min(o, lines * t / n * 32), o1 = std::min(o, lines * (t + 1) / n * 32);
     if (o0 < o1) fn(job, o0, o1);

@@ -1,4 +1,4 @@
-"""ops.small_matmul_ (out = x @ w.T in bf16 for a few rows of x, the MoE experts' products at
+"""ops.small_matmul (out = x @ w.T in bf16 for a few rows of x, the MoE experts' products at
 decode sizes): accuracy against float64 next to torch.mm's, the same bits on 1 and 2 threads,
 the calls it declines, errors that name the argument and leave out untouched, fake tensors, and
 its use by the MoE experts loop."""
@@ -9,7 +9,7 @@ import torch
 
 
 def small(sa):
-    return sa.ops.small_matmul_.default
+    return sa.ops.small_matmul.default
 
 
 def served(sa):
@@ -21,7 +21,7 @@ def served(sa):
 @pytest.mark.parametrize("o, h", [(1, 1), (7, 31), (33, 64), (70, 100), (300, 1030)])
 def test_matches_float64_as_torch_mm_does(sa, rows, o, h):
     if not served(sa):
-        pytest.skip("small_matmul_ has no kernel on this CPU (below AVX-512): the experts use torch.mm")
+        pytest.skip("small_matmul has no kernel on this CPU (below AVX-512): the experts use torch.mm")
     g = torch.Generator().manual_seed(rows * 1000 + o + h)
     x = torch.randn(rows, h, generator=g).bfloat16()
     w = torch.randn(o, h, generator=g).bfloat16()
@@ -38,7 +38,7 @@ def test_matches_float64_as_torch_mm_does(sa, rows, o, h):
 
 def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa):
     if not served(sa):
-        pytest.skip("small_matmul_ has no kernel on this CPU (below AVX-512)")
+        pytest.skip("small_matmul has no kernel on this CPU (below AVX-512)")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 600, generator=g).bfloat16()
     w = torch.randn(1000, 700, generator=g).bfloat16()[:, 50:650]  # rows 700 apart
@@ -92,7 +92,7 @@ def test_bad_input_names_the_argument_and_leaves_out_untouched(sa, bad, message)
         store = torch.zeros(100, dtype=torch.bfloat16)
         w, out = store[:80].view(5, 16), store[10:20].view(2, 5)
     before = out.clone()
-    with pytest.raises(RuntimeError, match=re.escape("ValueError: small_matmul_: " + message)):
+    with pytest.raises(RuntimeError, match=re.escape("ValueError: small_matmul: " + message)):
         small(sa)(out, x, w)
     assert torch.equal(out, before)
 
@@ -105,10 +105,27 @@ def test_fake_tensors_decline(sa):
         assert small(sa)(torch.empty(1, 4, dtype=torch.bfloat16), x, w) is False
 
 
+def test_moe_probe_under_a_fake_mode_is_not_kept(sa, monkeypatch):
+    """The MoE path asks once whether small_matmul runs here; asked first under fake tensors it
+    answers no for that call only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_small_kernel", None)
+    monkeypatch.setattr(moe, "_AMX", False)
+    x, w = torch.randn(1, 8).bfloat16(), torch.randn(2, 3, 8).bfloat16()
+    here = served(sa)
+    with FakeTensorMode():
+        assert moe._small_ok(x, w, None, False) is False
+    assert moe._small_kernel is None
+    with torch.device("meta"):  # the probe's own tensors are the CPU's
+        assert moe._small_ok(x, w, None, False) == here
+    assert moe._small_kernel == here
+
+
 @pytest.mark.parametrize("rows", [[1, 0, 2, 1], [3, 4, 1, 2], [9, 1, 12, 20]])
 def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows):
     """The MoE experts loop (no grad, bf16, without AMX) multiplies blocks of at most four rows
-    with small_matmul_ and the rest as before; every block equals its own product."""
+    with small_matmul and the rest as before; every block equals its own product."""
     moe = sa.moe
     monkeypatch.setattr(moe, "_AMX", False)
     monkeypatch.setattr(moe, "_small_kernel", served(sa))  # probed here, not counted below
@@ -126,11 +143,11 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows):
     real = moe.ops
 
     class Counting:
-        class small_matmul_:
+        class small_matmul:
             @staticmethod
             def default(*args):
                 calls["n"] += 1
-                return real.small_matmul_.default(*args)
+                return real.small_matmul.default(*args)
 
     monkeypatch.setattr(moe, "ops", Counting)
     with torch.no_grad():
@@ -145,9 +162,9 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows):
             continue
         if looped and end - start <= moe._SMALL_ROWS:
             h = torch.empty(end - start, 2 * inter, dtype=torch.bfloat16)
-            assert real.small_matmul_.default(h, x, w_in[e])
+            assert real.small_matmul.default(h, x, w_in[e])
             want = torch.empty(end - start, hidden, dtype=torch.bfloat16)
-            assert real.small_matmul_.default(want, gate(h), w_out[e])
+            assert real.small_matmul.default(want, gate(h), w_out[e])
             assert torch.equal(ys[start:end], want)
         else:
             want = torch.mm(gate(torch.mm(x, w_in[e].t())), w_out[e].t())

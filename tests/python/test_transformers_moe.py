@@ -481,7 +481,7 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
     included. With AMX's forms: swapped W_e @ x_e.T for small blocks, the loop's own otherwise, the
     grouped product for small blocks and never for blocks of one row. Without: the plain form,
     grouped for every gate group of more than one block, except bf16 groups of mostly small blocks
-    (this library's small_matmul_, through _linear, where the CPU has it). Bit for bit in float32 only with this
+    (this library's small_matmul, through _linear, where the CPU has it). Bit for bit in float32 only with this
     CPU's own forms (MKL may round the other CPU's float32 forms otherwise); bf16 always. Row
     counts are odd, so that the gate's transposed output needs its padded copy."""
     moe = sa.moe
@@ -515,7 +515,7 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
 
     grouped = profile in ("few_rows", "groups") or not forms
     if not forms and profile != "many_rows" and moe._small_ok(xs, w_in, None, False):
-        grouped = False  # bf16 blocks of a few rows: small_matmul_ in the loop (by _linear)
+        grouped = False  # bf16 blocks of a few rows: small_matmul in the loop (by _linear)
     assert (calls["n"] > 0) == grouped
     ref = torch.zeros_like(ys)
     start = 0

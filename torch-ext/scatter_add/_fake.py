@@ -1,8 +1,8 @@
-"""Fake (meta) implementations of the three ops (and their plain twins, and small_matmul_), for FakeTensor, meta tensors, torch.compile and
+"""Fake (meta) implementations of the three ops (and their plain twins), for FakeTensor, meta tensors, torch.compile and
 torch.export: the compiled kernels' argument, shape, dtype and device checks (same messages, same
 exception), and the output's shape, dtype and device. Sizes may be symbolic, so one compiled graph
 serves every K and N. The checks that need data (index values, memory overlap) run in the real
-kernels only."""
+kernels only. small_matmul's fake declines (see there)."""
 import torch
 
 from ._checks import check_args, check_tensors
@@ -27,12 +27,13 @@ def gather_fake(input, index, weight=None, ignore_index=None):
 
 
 def small_matmul_fake(out, x, w):
-    """Under fake tensors nothing is multiplied: False, and the caller's torch product runs (and
-    traces) instead."""
+    """Declines under fake tensors (FakeTensorMode, make_fx): False, with no checks, and the caller
+    multiplies with torch instead. TorchDynamo does not trace the op (it returns no tensor): the
+    library calls it only in eager code, outside compiled graphs."""
     return False
 
 
-torch.library.register_fake(add_op_namespace_prefix("small_matmul_"), small_matmul_fake)
+torch.library.register_fake(add_op_namespace_prefix("small_matmul"), small_matmul_fake)
 for _suffix in ("", "_plain"):  # the ops, and their plain twins (see _api.py)
     torch.library.register_fake(add_op_namespace_prefix("scatter_add" + _suffix + "_"), scatter_add_fake)
     torch.library.register_fake(add_op_namespace_prefix("index_add" + _suffix), index_add_fake)

@@ -35,7 +35,7 @@ some shapes over threads (e.g. a down projection of 45-128 rows at hidden 1024, 
 3584 differs in the last bit between 1 and 2 threads), for every experts implementation alike.
 Where the products are reproducible, so is the layer. Without AMX, an expert's bfloat16
 products over blocks of at most four rows (decode) take this library's own product
-(`ops.small_matmul_`, float32 sums, the same bits on every thread count) instead: see _small.
+(`ops.small_matmul`, float32 sums, the same bits on every thread count) instead: see _small_ok.
 """
 from typing import List, Optional
 
@@ -72,25 +72,27 @@ _AMX = _amx_tiles()
 # Blocks of a few rows (decode) read each expert weight once for a few dot products, which bounds
 # them by memory; torch's bf16 product reached 13-15 GB/s of weight there, this library's
 # small_matmul 18-35 GB/s. Without AMX (EPYC, AVX-512, bf16, two threads, ms per product of
-# `small_matmul_` / torch.mm, rows 1 / 2 / 3 / 4): Mixtral's up 7168 x 1024 0.81 / 1.44, 0.91 /
+# `small_matmul` / torch.mm, rows 1 / 2 / 3 / 4): Mixtral's up 7168 x 1024 0.81 / 1.44, 0.91 /
 # 1.03, 1.06 / 1.44, 0.99-1.22 / 0.95-1.09; down 1024 x 3584 0.21 / 0.43, 0.26 / 0.35, 0.39 /
 # 0.60, 0.34-0.39 / 0.38-0.59; Qwen3-MoE's up 768 x 1024 0.018 / 0.062, 0.022 / 0.062, 0.098 /
 # 0.121, 0.041-0.049 / 0.069-0.143; 8x7B's up 28672 x 4096 7.9 / 12.6, 8.0 / 11.3, 10.3 / 14.7,
 # 9.6-9.9 / 12.6-14.1. At eight rows it is 0.71x to 1.09x of torch.mm (its float32 FMAs bound
 # it): so four rows at most. With AMX the forms measured there stay (see _linear).
 _SMALL_ROWS = 4
-_small_kernel = None  # whether small_matmul_ runs on this CPU: probed on first use
+_small_kernel = None  # whether small_matmul runs on this CPU: probed on first use
 
 
 def _small_ok(x, weight, bias, transposed) -> bool:
-    """Whether the products of x's block take small_matmul_ (bf16 CPU, [E, out, in] weights)."""
+    """Whether the products of x's block take small_matmul (bf16 CPU, [E, out, in] weights)."""
     global _small_kernel
     if (_AMX or bias is not None or transposed or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or x.device.type != "cpu" or weight.stride(-1) != 1):
         return False
     if _small_kernel is None:
-        one = torch.ones(1, 1, dtype=torch.bfloat16)
-        _small_kernel = bool(ops.small_matmul_.default(torch.empty_like(one), one, one))
+        if torch._C._len_torch_dispatch_stack():
+            return False  # a fake or tracing mode: its answer says nothing about this CPU, so not kept
+        one = torch.ones(1, 1, dtype=torch.bfloat16, device="cpu")
+        _small_kernel = bool(ops.small_matmul.default(torch.empty_like(one), one, one))
     return _small_kernel
 
 
@@ -119,12 +121,13 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     swapped form 1.8-2.9x slower at 2 to 8 rows, about even elsewhere: Mixtral's up 0.82 / 0.72 /
     2.09 at one row, 0.73 / 2.15 at 2 rows, 1.17 / 2.21 at 8, 2.03 / 1.79 at 32, 5.43 / 6.26 at
     128; Qwen3-MoE's up 0.09 / 0.09 / 0.19 at one row, 0.09 / 0.20 at 2, 0.11 / 0.20 at 8. So
-    there (and off the CPU) only the plain form runs."""
+    there (and off the CPU) only the plain form runs, except for bf16 blocks of at most
+    _SMALL_ROWS rows, which take this library's small_matmul (see _small_ok)."""
     w = weight[e]
     amx = _AMX and x.device.type == "cpu"
     if swap and 0 < x.shape[0] <= _SMALL_ROWS and x.stride(-1) == 1 and _small_ok(x, weight, bias, transposed):
         y = x.new_empty(x.shape[0], w.shape[0]) if out is None else out
-        if ops.small_matmul_.default(y, x, w):
+        if ops.small_matmul.default(y, x, w):
             return y
     if x.shape[0] == 1 and amx:
         mat = w.t() if transposed else w
@@ -227,7 +230,9 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     tokens, two threads: 0.82x of grouped_mm, which gates once); one call over every row instead
     wrote pre-activations far larger than the caches into fresh memory (Mixtral block, 8192
     tokens: 235 MB, 0.76x of eager). A group of small blocks takes torch's grouped product
-    (_grouped_swapped) where it can.
+    (_grouped_swapped, or _grouped_plain without AMX) where it can; without AMX a bf16 group
+    whose blocks are mostly of at most _SMALL_ROWS rows stays in the loop, where those blocks
+    take small_matmul (_linear).
 
     Gathering group by group keeps the dispatched rows to a group's (a few MiB, which the
     allocator hands back on the next group) where one gather of every pair wrote top_k rows per
@@ -248,7 +253,7 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     for g in groups:
         first, end = g[0][1], g[-1][2]
         x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(w_in.dtype)
-        # Mostly small blocks: the loop, whose small blocks take small_matmul_ (_linear).
+        # Mostly small blocks: the loop, whose small blocks take small_matmul (_linear).
         small = (2 * sum(stop - start <= _SMALL_ROWS for _, start, stop in g) >= len(g)
                  and _small_ok(x, w_in, b_in, transposed))
         if grouped and (_swap_pays(g, width) if _AMX else len(g) > 1 and not small):
