@@ -451,7 +451,7 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
     if has_split:
         fig.add_artist(leg)
         plotting.legend_outside(fig, [Patch(color=c) for c in SPLIT_COLORS.values()],
-                                ["dispatch: routing sort + gather", "expert products (torch matmuls)",
+                                ["dispatch: routing sort + gather", "expert products (matmuls)",
                                  "combine: weighted index_add"], title="ours' forward (bars)", y=0.35, loc="upper left")
     clock = f", timed by {info['clock']}" if info.get("clock") else ""
     fig.suptitle(plotting.run_title("transformers' MoE blocks, bfloat16: scatter_add.moe against each built-in "
