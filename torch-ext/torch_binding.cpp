@@ -509,13 +509,13 @@ struct Cpu {
   }
 };
 
-// out = x @ w.T for bfloat16 CPU matrices of a few rows x (an MoE expert's products at decode
-// sizes, see sa::small_matmul); false, with out untouched, where the core has no kernel for the
-// call (the caller multiplies with torch). out, x and w: 2-D, rows with unit column stride.
-bool small_matmul_op(const Tensor& out, const Tensor& x, const Tensor& w) {
+// y = x @ w.T for bfloat16 CPU matrices of a few rows x (an MoE expert's products at decode
+// sizes, see sa::small_matmul); false, with y untouched, where the core has no kernel for the
+// call (the caller multiplies with torch). y, x and w: 2-D, rows with unit column stride.
+bool small_matmul_op(const Tensor& y, const Tensor& x, const Tensor& w) {
   const char* op = "small_matmul";
-  const Info oi(defined(op, "out", out)), xi(defined(op, "x", x)), wi(defined(op, "w", w));
-  const std::pair<const char*, const Info*> args[] = {{"out", &oi}, {"x", &xi}, {"w", &wi}};
+  const Info oi(defined(op, "y", y)), xi(defined(op, "x", x)), wi(defined(op, "w", w));
+  const std::pair<const char*, const Info*> args[] = {{"y", &oi}, {"x", &xi}, {"w", &wi}};
   for (const auto& [name, i] : args) {
     if (i->device_type != kCodes.cpu) fail(Kind::value, op, name, " must be on the CPU, got ", DeviceName{*i});
     if (i->dim != 2) fail(Kind::value, op, name, " must be 2-D, got shape ", Shape{*i});
@@ -592,9 +592,9 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("index_add_plain(Tensor input, Tensor index, Tensor src, Tensor? weight=None, "
         "int? ignore_index=None) -> Tensor");
   m.def("gather_plain(Tensor input, Tensor index, Tensor? weight=None, int? ignore_index=None) -> Tensor");
-  // out = x @ w.T, bf16, a few rows of x, CPU (the MoE experts' products at decode sizes); returns
+  // y = x @ w.T, bf16, a few rows of x, CPU (the MoE experts' products at decode sizes); returns
   // whether it ran. Nothing registered above the backend: callers use it only with nothing to record.
-  m.def("small_matmul(Tensor(a!) out, Tensor x, Tensor w) -> bool");
+  m.def("small_matmul(Tensor(a!) y, Tensor x, Tensor w) -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {

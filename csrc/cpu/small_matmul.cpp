@@ -6,7 +6,6 @@
 #include <algorithm>
 
 #include "dispatch.h"
-#include "policy.h"
 #include "strategy.h"
 #include "parallel.h"
 #include "validate.h"

@@ -1,6 +1,6 @@
-"""ops.small_matmul (out = x @ w.T in bf16 for a few rows of x, the MoE experts' products at
+"""ops.small_matmul (y = x @ w.T in bf16 for a few rows of x, the MoE experts' products at
 decode sizes): accuracy against float64 next to torch.mm's, the same bits on 1 and 2 threads,
-the calls it declines, errors that name the argument and leave out untouched, fake tensors, and
+the calls it declines, errors that name the argument and leave y untouched, fake tensors, and
 its use by the MoE experts loop."""
 import re
 
@@ -58,7 +58,7 @@ def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa):
     assert torch.equal(padded[:, :1000], outs[0]) and not padded[:, 1000:].any()
 
 
-def test_declines_more_rows_leaving_out_untouched(sa):
+def test_declines_more_rows_leaving_y_untouched(sa):
     x = torch.randn(9, 16).bfloat16()
     w = torch.randn(5, 16).bfloat16()
     out = torch.full((9, 5), 3.0, dtype=torch.bfloat16)
@@ -68,18 +68,21 @@ def test_declines_more_rows_leaving_out_untouched(sa):
 
 @pytest.mark.parametrize("bad, message", [
     ("x_float", "x must be BFloat16, got Float"),
+    ("y_float", "y must be BFloat16, got Float"),
     ("w_1d", "w must be 2-D, got shape [16]"),
     ("x_columns", "x must have contiguous rows, got strides (1, 2)"),
     ("shape", "x has 16 columns but w has 15"),
     ("out_shape", "y has shape [2, 4] but x @ w.T has shape [2, 5]"),
     ("overlap", "w memory overlaps y"),
 ])
-def test_bad_input_names_the_argument_and_leaves_out_untouched(sa, bad, message):
+def test_bad_input_names_the_argument_and_leaves_y_untouched(sa, bad, message):
     x = torch.randn(2, 16).bfloat16()
     w = torch.randn(5, 16).bfloat16()
     out = torch.full((2, 5), 3.0, dtype=torch.bfloat16)
     if bad == "x_float":
         x = x.float()
+    if bad == "y_float":
+        out = out.float()
     if bad == "w_1d":
         w = w[0]
     if bad == "x_columns":

@@ -26,7 +26,7 @@ def gather_fake(input, index, weight=None, ignore_index=None):
     return input.new_empty((index.shape[0], input.shape[1]))
 
 
-def small_matmul_fake(out, x, w):
+def small_matmul_fake(y, x, w):
     """Declines under fake tensors (FakeTensorMode, make_fx): False, with no checks, and the caller
     multiplies with torch instead. TorchDynamo does not trace the op (it returns no tensor): the
     library calls it only in eager code, outside compiled graphs."""
