@@ -72,7 +72,10 @@ struct CpuPolicy {
   // between runs. The same grid measured again after the bf16/fp16 direct walk and the plan
   // build got faster (kept scratch, snapshot, column kernels, 32-bit counts) scores the same
   // constants at 1.009x, worst 1.22x (bfloat16 N = 16384 K = 163 D = 256 and float32 N = 1638
-  // K = 16384 D = 256), so they were not refitted.
+  // K = 16384 D = 256), so they were not refitted. An AMD EPYC's calibration
+  // (benchmarks/cpu_calibration_epyc.csv, Zen cores, 1 MiB L2, 32 MiB L3) scores them at 1.035x,
+  // worst 1.91x at float32 N = 1638 K = 16384 D = 256 (out in the L2/L3, priced as memory by
+  // the one cache tier of kCacheBytes).
   // Per index entry: the direct walk (float32/float64; bf16/fp16 with a dense scratch; bf16/fp16
   // with a sparse one) and the planned walk; per destination row of the planned walk.
   static constexpr double kDirectNsPerEntry = 1.45;
