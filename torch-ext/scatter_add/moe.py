@@ -96,6 +96,13 @@ def _small_ok(x, weight, bias, transposed) -> bool:
     return _small_kernel
 
 
+def _mostly_small(group, x, weight, bias, transposed) -> bool:
+    """Whether at least half of a gate group's blocks take small_matmul: the group then stays in
+    the loop (_experts_loop), whose _linear multiplies those blocks with it."""
+    small = sum(stop - start <= _SMALL_ROWS for _, start, stop in group)
+    return 2 * small >= len(group) and _small_ok(x, weight, bias, transposed)
+
+
 # --- one expert's products ------------------------------------------------------------------------
 # weight is [E, out, in] (x @ weight[e].T), or [E, in, out] when transposed (x @ weight[e]).
 
@@ -253,10 +260,7 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     for g in groups:
         first, end = g[0][1], g[-1][2]
         x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(w_in.dtype)
-        # Mostly small blocks: the loop, whose small blocks take small_matmul (_linear).
-        small = (2 * sum(stop - start <= _SMALL_ROWS for _, start, stop in g) >= len(g)
-                 and _small_ok(x, w_in, b_in, transposed))
-        if grouped and (_swap_pays(g, width) if _AMX else len(g) > 1 and not small):
+        if grouped and (_swap_pays(g, width) if _AMX else len(g) > 1 and not _mostly_small(g, x, w_in, b_in, transposed)):
             ys[first:end] = (_grouped_swapped if _AMX else _grouped_plain)(x, ends, g, w_in, w_out, gate)
             continue
         buf = x.new_empty(most, width) if buf is None else buf
