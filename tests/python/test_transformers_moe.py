@@ -128,7 +128,9 @@ def test_logits_match_eager_float32(sa, name, model, forms):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_gradients_match_eager(sa, name, model):
+def test_gradients_match_eager(sa, name, model, forms):
+    """With either forms: without AMX the backward takes torch's grouped products where they
+    apply, with AMX the per-expert loop."""
     eager = build(model).train()
     ours = with_impl(eager, name).train()
     ids = tokens()
@@ -304,30 +306,35 @@ def test_torch_compile_block(sa, name, model):
     ex.config._experts_implementation = "eager"
 
 
-def test_expert_parallel_sentinels(sa, name):
+def test_expert_parallel_sentinels(sa, name, forms):
     """Under expert parallelism transformers passes ids >= num_experts (experts held by other ranks)
-    with zero weight: they cost no compute, add nothing, and get no gradient."""
+    with zero weight: they cost no compute, add nothing, and get no gradient. An expert that no
+    pair names (here expert 0) gets a zero weight gradient."""
     m = build("mixtral")
     ex, (h, idx, w) = capture_experts_inputs(m, tokens())
     e = ex.num_experts
     idx = idx.clone()
     idx[::3, 0] = e
     idx[1::4, 1] = e
+    idx[idx == 0] = e
     w = w.clone()
     w[idx >= e] = 0
     ex._is_expert_parallel = True
-    w_ours = w.clone().requires_grad_(True)
-    w_ref = w.clone().requires_grad_(True)
-    ex.config._experts_implementation = name
-    out = ex(h, idx, w_ours)
-    ex.config._experts_implementation = "grouped_mm"
-    ref = ex(h, idx, w_ref)
+    grads = []
+    for impl in (name, "grouped_mm"):
+        ex.config._experts_implementation = impl
+        ex.zero_grad(set_to_none=True)
+        hi = h.clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True)
+        out = ex(hi, idx, wi)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
+        grads.append((out.detach(), hi.grad, wi.grad, ex.gate_up_proj.grad.clone(), ex.down_proj.grad.clone()))
     ex.config._experts_implementation = "eager"
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    out.sum().backward()
-    ref.sum().backward()
-    assert torch.all(w_ours.grad[idx >= e] == 0)
-    torch.testing.assert_close(w_ours.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+    ours, ref = grads
+    assert torch.all(ours[2][idx >= e] == 0)
+    assert torch.all(ours[3][0] == 0) and torch.all(ours[4][0] == 0)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["some", "all"])

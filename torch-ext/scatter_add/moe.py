@@ -22,9 +22,11 @@ rows of compute: they sort last, past every expert's block, and the dispatch and
 them through ignore_index. Both layouts are handled: [E, out, in] weights and GPT-OSS's
 transposed [E, in, out] with biases and interleaved gate/up columns.
 
-Autograd: in eager mode the per-expert loop is one autograd function whose backward runs the
-same blocks (gradients of every weight, bias, input and routing weight; the gate's derivative is
-taken by autograd on each block). Under torch.compile the products are two opaque grouped ops
+Autograd: in eager mode the experts are one autograd function. Its forward takes the products of
+the inference loop and keeps the pre-activations; its backward runs the same blocks (gradients of
+every weight, bias, input and routing weight; the gate's derivative is taken by autograd over all
+rows at once), by torch's grouped products where they apply without AMX, else block by block.
+Under torch.compile the products are two opaque grouped ops
 and the gate is traced, so a block compiles to one graph. transformers is imported only by
 `register`.
 
@@ -228,10 +230,12 @@ def _gate_groups(blocks, width):
     return groups
 
 
-def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=None):
+def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=None, hs=None):
     """ys [S, out] without autograd. Rows past the last block (sentinels) are zero. xs holds the
     S pairs' rows; or, with token (the token of each pair, -1 for sentinels), xs is the hidden
-    states, and each group's rows are gathered as the group comes (see below). The gate runs
+    states, and each group's rows are gathered as the group comes (see below). With hs ([S, in_out],
+    the training forward's), the pre-activations of every row are kept there for the backward; the
+    products and the gate are the same, so the output has the bits of the call without it. The gate runs
     once per group of consecutive blocks (_gate_groups), into one reused buffer: with 128 experts
     of a few rows each, a gate call per expert cost more than the products (Qwen3-MoE block, 64
     tokens, two threads: 0.82x of grouped_mm, which gates once); one call over every row instead
@@ -260,10 +264,16 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     for g in groups:
         first, end = g[0][1], g[-1][2]
         x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(w_in.dtype)
-        if grouped and (_swap_pays(g, width) if _AMX else len(g) > 1 and not _mostly_small(g, x, w_in, b_in, transposed)):
-            ys[first:end] = (_grouped_swapped if _AMX else _grouped_plain)(x, ends, g, w_in, w_out, gate)
+        # The swapped grouped form (AMX) leaves its pre-activations transposed: not where hs is kept.
+        if grouped and (_swap_pays(g, width) and hs is None if _AMX else
+                        len(g) > 1 and not _mostly_small(g, x, w_in, b_in, transposed)):
+            h_out = None if hs is None else hs[first:end]
+            ys[first:end] = (_grouped_swapped if _AMX else _grouped_plain)(x, ends, g, w_in, w_out, gate, h_out)
             continue
-        buf = x.new_empty(most, width) if buf is None else buf
+        if hs is not None:
+            buf = hs[first:]
+        elif buf is None:
+            buf = x.new_empty(most, width)
         for e, start, stop in g:
             _linear(x[start - first:stop - first], w_in, e, b_in, transposed, out=buf[start - first:stop - first])
         a = gate(buf[:end - first])
@@ -338,8 +348,9 @@ def _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed) -> bool:
             and w_in.dtype == xs.dtype and w_out.dtype == xs.dtype and _aligned(w_in) and _aligned(w_out))
 
 
-def _grouped_swapped(x, ends, group, w_in, w_out, gate):
-    """A group's [rows, out] result (a transposed view) by two swapped grouped products."""
+def _grouped_swapped(x, ends, group, w_in, w_out, gate, h_out=None):
+    """A group's [rows, out] result (a transposed view) by two swapped grouped products (h_out is
+    not used: see _experts_loop)."""
     e0, e1 = group[0][0], group[-1][0]
     offs = _group_offsets(x, ends, group)
     h = torch._grouped_mm(w_in[e0:e1 + 1], _operand(x).t(), offs=offs).t()
@@ -351,33 +362,34 @@ def _group_offsets(x, ends, group):
     return torch.tensor([min(max(end - first, 0), x.shape[0]) for end in ends[e0:e1 + 1]], dtype=torch.int32)
 
 
-def _grouped_plain(x, ends, group, w_in, w_out, gate):
+def _grouped_plain(x, ends, group, w_in, w_out, gate, h_out=None):
     """A group's [rows, out] result by two grouped products of the plain form, x_e @ W_e.T (CPUs
-    without AMX, where the swapped form is slower: see _linear)."""
+    without AMX, where the swapped form is slower: see _linear). The pre-activations are copied
+    into h_out when given."""
     e0, e1 = group[0][0], group[-1][0]
     offs = _group_offsets(x, ends, group)
     h = torch._grouped_mm(_operand(x), w_in[e0:e1 + 1].transpose(-2, -1), offs=offs)
+    if h_out is not None:
+        h_out.copy_(h)
     return torch._grouped_mm(_operand(gate(h)), w_out[e0:e1 + 1].transpose(-2, -1), offs=offs)
 
 
 class _Experts(torch.autograd.Function):
-    """The expert loop for training. Forward: the blocks' pre-activations go into one [S, in_out]
-    tensor, saved for the backward. Backward: the activations' gradients block by block, the gate
-    differentiated once over all rows (one autograd call, not one per expert: with 128 experts
-    of a few rows each that overhead outweighed the products), then the products' gradients
-    block by block."""
+    """The expert loop for training. Forward: _experts_loop, the products and gate groups of
+    inference, with the blocks' pre-activations kept in one [S, in_out] tensor for the backward
+    (Qwen3-MoE block, 64 tokens, bf16, two threads: a forward with grad took 35-55 ms with a gate
+    call and plain products per expert, 36-40 ms this way, about grouped_mm's). Backward: the
+    activations' gradients, the gate differentiated once over all rows (one autograd call, not one
+    per expert: with 128 experts of a few rows each that overhead outweighed the products), then
+    the products' gradients; by _grouped_backward where it applies, else block by block."""
 
     @staticmethod
     def forward(ctx, xs, offsets, w_in, b_in, w_out, b_out, transposed, gate):
         hs = xs.new_empty(xs.shape[0], _out_features(w_in, transposed))
-        ys = xs.new_empty(xs.shape[0], _out_features(w_out, transposed))
-        end = 0
-        for e, start, end in _blocks(offsets):
-            h = _linear(xs[start:end], w_in, e, b_in, transposed, out=hs[start:end], swap=False)
-            _linear(gate(h), w_out, e, b_out, transposed, out=ys[start:end], swap=False)
-        ys[end:].zero_()
+        ys = _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, hs=hs)
         ctx.save_for_backward(xs, offsets, w_in, w_out, hs)
         ctx.transposed, ctx.gate = transposed, gate
+        ctx.grouped = not _AMX and _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed)
         return ys
 
     @staticmethod
@@ -388,14 +400,16 @@ class _Experts(torch.autograd.Function):
         grad_ys = grad_ys.to(xs.dtype)
         blocks = list(_blocks(offsets))
         rows = blocks[-1][2] if blocks else 0
+        with torch.enable_grad():
+            h = hs[:rows].detach().requires_grad_(True)
+            a = ctx.gate(h)
+        if ctx.grouped and rows:
+            return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, h, a, need_x, need_w_in, need_w_out)
         grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
         grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
         grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
         grad_b_in = w_in.new_zeros(w_in.shape[0], _out_features(w_in, tr)) if need_b_in else None
         grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
-        with torch.enable_grad():
-            h = hs[:rows].detach().requires_grad_(True)
-            a = ctx.gate(h)
         # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
         grad_a = a.new_empty(a.shape)
         for e, start, end in blocks:
@@ -408,6 +422,31 @@ class _Experts(torch.autograd.Function):
             _linear_backward(grad_h[start:end], xs[start:end], w_in, e, tr,
                              grad_x[start:end] if need_x else None, grad_w_in, grad_b_in)
         return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None
+
+
+def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, h, a, need_x, need_w_in, need_w_out):
+    """_Experts' gradients by torch's grouped products (no AMX; [E, out, in] weights without
+    biases, as _grouped_ok): one call per product for every expert, where the loop makes four per
+    expert and a Python round trip each. The weight gradients come out whole, [E, out, in], with
+    idle experts' slices zero, in the layout of the weights; the blocks' products are those of
+    the loop (x_e.T @ g_e and g_e @ W_e), in torch's grouped form. Qwen3-MoE block (128 experts
+    of about 4 rows, 64 tokens, bf16, two threads, an EPYC), ms of the backward, ours / grouped_mm:
+    block by block 174-190 / 150-157 (10 ms of it the loop's own Python), this way 131-146 /
+    136-150. Most of it is writing the full-size weight gradients into fresh memory, which every
+    implementation pays (see docs/benchmarks.md)."""
+    offs = offsets.to(torch.int32)
+    g = _operand(grad_ys[:rows])
+    grad_a = torch._grouped_mm(g, w_out, offs=offs)
+    (grad_h,) = torch.autograd.grad(a, h, grad_a)
+    grad_h = _operand(grad_h)
+    grad_w_out = torch._grouped_mm(g.t(), _operand(a.detach()), offs=offs) if need_w_out else None
+    grad_w_in = torch._grouped_mm(grad_h.t(), _operand(xs[:rows]), offs=offs) if need_w_in else None
+    grad_x = None
+    if need_x:
+        grad_x = torch._grouped_mm(grad_h, w_in, offs=offs)
+        if rows < xs.shape[0]:  # sentinel rows: no gradient
+            grad_x = torch.cat([grad_x, grad_x.new_zeros(xs.shape[0] - rows, grad_x.shape[1])])
+    return grad_x, None, grad_w_in, None, grad_w_out, None, None, None
 
 
 # --- torch.compile: two grouped products as opaque ops, the gate traced -----------------------------
