@@ -153,6 +153,22 @@ def test_gradients_match_eager(sa, name, model, forms):
     assert checked == sum(len(list(e.parameters())) for e in experts_modules(eager))
 
 
+def test_double_backward_raises(sa, name, forms):
+    """A second derivative through the experts (a gradient penalty) is not supported: it raises,
+    on either backward path, rather than returning the part of the graph the first one kept."""
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.config._experts_implementation = name
+    try:
+        x = h.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad((ex(x, idx, w) * torch.randn(h.shape, generator=torch.Generator().manual_seed(4))).sum(),
+                                    x, create_graph=True)
+        with pytest.raises(RuntimeError):
+            gx.square().sum().backward()
+    finally:
+        ex.config._experts_implementation = "eager"
+
+
 def capture_experts_inputs(m, ids):
     """(experts module, its (hidden_states, top_k_index, top_k_weights)) of the first MoE layer,
     as the model's own router produced them."""

@@ -235,7 +235,9 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     S pairs' rows; or, with token (the token of each pair, -1 for sentinels), xs is the hidden
     states, and each group's rows are gathered as the group comes (see below). With hs ([S, in_out],
     the training forward's), the pre-activations of every row are kept there for the backward; the
-    products and the gate are the same, so the output has the bits of the call without it. The gate runs
+    products and the gate are the same (so the output has the bits of the call without it), except
+    that with AMX a group's swapped grouped product, whose pre-activations come out transposed,
+    is replaced by the loop's products. The gate runs
     once per group of consecutive blocks (_gate_groups), into one reused buffer: with 128 experts
     of a few rows each, a gate call per expert cost more than the products (Qwen3-MoE block, 64
     tokens, two threads: 0.82x of grouped_mm, which gates once); one call over every row instead
@@ -393,6 +395,7 @@ class _Experts(torch.autograd.Function):
         return ys
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: it raises, never half a graph
     def backward(ctx, grad_ys):
         xs, offsets, w_in, w_out, hs = ctx.saved_tensors
         need_x, _, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad[:6]
