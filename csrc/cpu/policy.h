@@ -75,7 +75,9 @@ struct CpuPolicy {
   // K = 16384 D = 256), so they were not refitted. An AMD EPYC's calibration
   // (benchmarks/cpu_calibration_epyc.csv, Zen cores, 1 MiB L2, 32 MiB L3) scores them at 1.035x,
   // worst 1.91x at float32 N = 1638 K = 16384 D = 256 (out in the L2/L3, priced as memory by
-  // the one cache tier of kCacheBytes).
+  // the one cache tier of kCacheBytes; but a second tier for the direct walk's rows alone scored
+  // worse on both calibrations, 1.041-1.055x, since that walk's price there is mostly
+  // kNsPerByteStream's source stream: a refit has to move the terms together).
   // Per index entry: the direct walk (float32/float64; bf16/fp16 with a dense scratch; bf16/fp16
   // with a sparse one) and the planned walk; per destination row of the planned walk.
   static constexpr double kDirectNsPerEntry = 1.45;
