@@ -430,8 +430,8 @@ class _Experts(torch.autograd.Function):
 def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, h, a, need_x, need_w_in, need_w_out):
     """_Experts' gradients by torch's grouped products (no AMX; [E, out, in] weights without
     biases, as _grouped_ok): one call per product for every expert, where the loop makes four per
-    expert and a Python round trip each. The weight gradients come out whole, [E, out, in], with
-    idle experts' slices zero, in the layout of the weights; the blocks' products are those of
+    expert and a Python round trip each. The weight gradients come out whole, contiguous
+    [E, out, in], with idle experts' slices zero; the blocks' products are those of
     the loop (x_e.T @ g_e and g_e @ W_e), in torch's grouped form. Qwen3-MoE block (128 experts
     of about 4 rows, 64 tokens, bf16, two threads, an EPYC), ms of the backward, ours / grouped_mm:
     block by block 174-190 / 150-157 (10 ms of it the loop's own Python), this way 131-146 /
