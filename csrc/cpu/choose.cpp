@@ -4,7 +4,8 @@
 //   direct   K * entry + src streamed once + a destination row read and written per
 //            contribution (in cache while the touched rows fit, a row from memory each beyond);
 //            bf16/fp16 add their float32 scratch (dense: all N rows copied in, touched ones back;
-//            sparse: bitmaps of N, repeated rows' slots)
+//            touched: each touched row copied in by its first contribution and back; sparse:
+//            bitmaps of N, repeated rows' slots)
 //   planned  the sort (count: N + K; radix: K per 11-bit digit) + K * entry + R * row + source
 //            rows read at random + each touched row read and written once
 #include <algorithm>
@@ -151,6 +152,9 @@ double estimate_ns(const AddShape& s, Strategy strategy) {
       return k * per_entry + src_stream + n * (rb + ab) * P::kNsPerByteStream +
              rmw_ns(k, ab, n * ab) + r * (ab + rb) * P::kNsPerByteStream;
     }
+    if (touched_slots_pay(s.n, s.k, s.d, false))  // as dense, but each touched row copied in at random
+      return k * P::kDirect16NsPerEntry + src_stream + rmw_ns(k, ab, n * ab) + rmw_ns(r, rb, n * rb) +
+             r * ab * P::kNsPerByteStream;
     // sparse scratch: single contributions in place, repeated rows in the scratch
     const double single = k * std::exp(-lambda);
     return k * P::kDirect16SparseNsPerEntry + n * P::kBitmapNsPerRow + src_stream + rmw_ns(single, rb, n * rb) +
@@ -189,6 +193,12 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
   const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
   const double sort = std::min(one, std::max(plan_ns(s.n, s.k, radix), k * P::kSerialSortNsPerEntry));
   return sort + (one - sort) / nt;
+}
+
+bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns) {
+  const double slots = static_cast<double>(n) * static_cast<double>(d) * 4.0;
+  return n > k && !split_columns && d <= P::kTouchedMaxCols && slots <= static_cast<double>(P::kTouchedMaxBytes) &&
+         (d == 1 || static_cast<double>(k) >= P::kTouchedMinLoad * static_cast<double>(n));
 }
 
 bool direct_row_split_pays(const AddShape& s, int nt) {

@@ -51,6 +51,8 @@ struct DirectJob {
   void* scratch_orig;   // dense, unmarked: the scratch as copied in (same layout); the copy back
                         // with no row set writes only the rows whose sum differs from it
   bool long_runs;       // sorted index whose runs are long: one-column runs summed run by run
+  uint64_t* touched;    // touched slots (a slot per row, none filled in advance): bit r is set by
+                        // row r's first contribution, which fills its slot from out
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 

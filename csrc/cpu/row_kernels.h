@@ -37,6 +37,11 @@ namespace {
 // no branch).
 inline uint64_t own_row(uint64_t row, uint64_t lo, uint64_t span) { return row - lo < span ? row : lo; }
 
+// Where a bf16/fp16 direct walk keeps a row's float32 sum: dense, a slot per row, all filled from
+// out in advance; sparse, slots only for the rows named more than once (slot_bits / slot_base),
+// the others added in place; touched, a slot per row filled by the row's first contribution.
+enum class Slots { dense, sparse, touched };
+
 // Rows of at most this many columns are added element by element, in the direct walks: a masked
 // vector load and store per contribution cost more than a few scalar ones, most where a row comes
 // back soon (a load from a masked store in flight waits for it). One thread, thread CPU time,
@@ -494,34 +499,45 @@ struct RowKernels {
     }
   }
 
-  static int64_t slot_of(const DirectJob& j, int64_t r) {
-    const uint64_t below = j.slot_bits[r >> 6] & ((uint64_t(1) << (r & 63)) - 1);
-    return j.slot_base[r >> 6] + __builtin_popcountll(below);
-  }
-
   template <class I, bool Weighted>
   static void scratch_add(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
-    const bool dense = j.slot_base == nullptr;
+    const Slots slots = j.touched != nullptr ? Slots::touched : j.slot_base == nullptr ? Slots::dense : Slots::sparse;
     if (c1 - c0 == 1) {
-      if (dense && j.prefetch)
-        scratch_add_column<I, Weighted, true, true>(j, i0, i1, c0);
-      else if (dense)
-        scratch_add_column<I, Weighted, true, false>(j, i0, i1, c0);
-      else if (j.prefetch)
-        scratch_add_column<I, Weighted, false, true>(j, i0, i1, c0);
-      else
-        scratch_add_column<I, Weighted, false, false>(j, i0, i1, c0);
-    } else if (dense) {
-      scratch_add_loop<I, Weighted, true>(j, i0, i1, c0, c1);
+      switch (slots) {
+        case Slots::dense:
+          if (j.prefetch)
+            scratch_add_column<I, Weighted, Slots::dense, true>(j, i0, i1, c0);
+          else
+            scratch_add_column<I, Weighted, Slots::dense, false>(j, i0, i1, c0);
+          break;
+        case Slots::sparse:
+          if (j.prefetch)
+            scratch_add_column<I, Weighted, Slots::sparse, true>(j, i0, i1, c0);
+          else
+            scratch_add_column<I, Weighted, Slots::sparse, false>(j, i0, i1, c0);
+          break;
+        case Slots::touched:
+          if (j.prefetch)
+            scratch_add_column<I, Weighted, Slots::touched, true>(j, i0, i1, c0);
+          else
+            scratch_add_column<I, Weighted, Slots::touched, false>(j, i0, i1, c0);
+          break;
+      }
+    } else if (slots == Slots::dense) {
+      scratch_add_loop<I, Weighted, Slots::dense>(j, i0, i1, c0, c1);
+    } else if (slots == Slots::sparse) {
+      scratch_add_loop<I, Weighted, Slots::sparse>(j, i0, i1, c0, c1);
     } else {
-      scratch_add_loop<I, Weighted, false>(j, i0, i1, c0, c1);
+      scratch_add_loop<I, Weighted, Slots::touched>(j, i0, i1, c0, c1);
     }
   }
   // One column: the general loop's byte mark and stores may alias every field of the job, which
   // the compiler then reloads per entry; here the fields live in registers. K = 1M, D = 1 bf16,
   // one thread: dense, marking, N = 10k 2.3-4.0 -> 1.4-2.3 ms; dense, prefetched, N = 1M 7.4-8.9
   // -> 4.0-5.3 ms; sparse, N = 1M, K = 100k, zipf 1.6-2.2 -> 1.1-1.3 ms, uniform 1.5-1.8 -> 1.2-1.4.
-  template <class I, bool Weighted, bool Dense, bool Prefetch>
+  // A sparse walk also prefetches the two bitmap words that rank its row (out's random rows evict
+  // them from the L2): N = 1M, K = 100k, uniform, 1.01-1.09 -> 0.61-0.9 ms (EPYC, best of 50).
+  template <class I, bool Weighted, Slots S, bool Prefetch>
   static void scratch_add_column(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0) {
     const I* __restrict idx = static_cast<const I*>(j.index);
     const T* __restrict src = static_cast<const T*>(j.src) + c0;
@@ -530,6 +546,7 @@ struct RowKernels {
     const A* __restrict w = static_cast<const A*>(j.w);
     const uint64_t* __restrict slot_bits = j.slot_bits;
     const int64_t* __restrict slot_base = j.slot_base;
+    uint64_t* __restrict touched = j.touched;
     uint8_t* __restrict mark = j.mark_rows;
     const int64_t ss = j.src_stride, as = j.scratch_stride, os = j.out_stride;
     const uint64_t ab = static_cast<uint64_t>(as) * sizeof(A), ob = static_cast<uint64_t>(os) * sizeof(T);
@@ -539,18 +556,18 @@ struct RowKernels {
     const int64_t pf_end = i1 - kPrefetchAhead;
     auto walk = [&](auto marking) {
       for (int64_t i = i0; i < i1; ++i) {
-        if (Prefetch && i < pf_end) {  // dense: the slot is where the add goes
+        if (Prefetch && i < pf_end) {  // the slot, out's row, and the bitmap words that pick them
           const uint64_t pr = own_row(static_cast<uint64_t>(idx[i + kPrefetchAhead]), lo, span);
-          if (Dense)
-            prefetch_at(acc, pr, ab, 1);
-          else
-            prefetch_at(out, pr, ob, 1);
+          if (S != Slots::sparse) prefetch_at(acc, pr, ab, 1);
+          if (S != Slots::dense) prefetch_at(out, pr, ob, S == Slots::sparse);
+          if (S != Slots::dense) __builtin_prefetch((S == Slots::sparse ? slot_bits : touched) + (pr >> 6));
+          if (S == Slots::sparse) __builtin_prefetch(slot_base + (pr >> 6));
         }
         const int64_t r = static_cast<int64_t>(idx[i]);
         if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == ign)) continue;
         const A x = E::get(src[i * ss]), wi = Weighted ? w[i] : A(1);
         int64_t slot = r;
-        if (!Dense) {
+        if (S == Slots::sparse) {
           const uint64_t word = slot_bits[r >> 6], below = (uint64_t(1) << (r & 63)) - 1;
           if (!((word >> (r & 63)) & 1)) {  // the row's only contribution
             T& o = out[r * os];
@@ -561,44 +578,71 @@ struct RowKernels {
         }
         if (decltype(marking)::value) mark[r] = 1;
         A& a = acc[slot * as];
+        if (S == Slots::touched) {  // the row's first contribution starts from out's value
+          const uint64_t word = touched[r >> 6], bit = uint64_t(1) << (r & 63);
+          const A base = (word & bit) ? a : E::get(out[r * os]);
+          touched[r >> 6] = word | bit;
+          a = step1<Weighted>(base, x, wi);
+          continue;
+        }
         a = step1<Weighted>(a, x, wi);
       }
     };
-    if (Dense && mark != nullptr)
+    if (S == Slots::dense && mark != nullptr)
       walk(std::true_type{});
     else
       walk(std::false_type{});
   }
-  // Dense: every row has a scratch slot, slot = row. Otherwise only the rows in slot_bits do.
-  template <class I, bool Weighted, bool Dense>
+  // Dense and touched: every row has a scratch slot, slot = row (touched: filled from out by the
+  // row's first contribution). Sparse: only the rows in slot_bits do.
+  template <class I, bool Weighted, Slots S>
   static void scratch_add_loop(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
-    const I* idx = static_cast<const I*>(j.index);
-    T* out = static_cast<T*>(j.out) + c0;
-    A* acc = static_cast<A*>(j.scratch);
-    const T* src = static_cast<const T*>(j.src) + c0;
-    const A* w = static_cast<const A*>(j.w);
-    const int64_t m = c1 - c0;
-    const uint64_t ob = static_cast<uint64_t>(j.out_stride) * sizeof(T), ab = static_cast<uint64_t>(j.scratch_stride) * sizeof(A);
+    // The job's fields in locals: the stores through out, acc and the marks could alias them, and
+    // the compiler would reload each per entry.
+    const I* __restrict idx = static_cast<const I*>(j.index);
+    T* __restrict out = static_cast<T*>(j.out) + c0;
+    A* __restrict acc = static_cast<A*>(j.scratch);
+    const T* __restrict src = static_cast<const T*>(j.src) + c0;
+    const A* __restrict w = static_cast<const A*>(j.w);
+    const uint64_t* __restrict slot_bits = j.slot_bits;
+    const int64_t* __restrict slot_base = j.slot_base;
+    uint64_t* __restrict touched = j.touched;
+    uint8_t* __restrict mark = j.mark_rows;
+    const int64_t m = c1 - c0, ss = j.src_stride, os = j.out_stride, as = j.scratch_stride, ign = j.ignore;
+    const bool prefetch = j.prefetch;
+    const uint64_t ob = static_cast<uint64_t>(os) * sizeof(T), ab = static_cast<uint64_t>(as) * sizeof(A);
     const uint64_t lo = static_cast<uint64_t>(j.row_lo), span = static_cast<uint64_t>(j.row_hi - j.row_lo);
-    const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(j.ignore) - lo < span;
+    const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(ign) - lo < span;
     for (int64_t i = i0; i < i1; ++i) {
-      if (j.prefetch && i + kPrefetchAhead < i1) {  // dense: the slot is where the add goes
+      if (prefetch && i + kPrefetchAhead < i1) {  // dense: the slot is where the add goes
         const uint64_t pr = own_row(static_cast<uint64_t>(idx[i + kPrefetchAhead]), lo, span);
-        if (Dense)
-          prefetch_at(acc, pr, ab, 1);
-        else
-          prefetch_at(out, pr, ob, 1);
+        if (S != Slots::sparse) prefetch_at(acc, pr, ab, 1);
+        if (S != Slots::dense) prefetch_at(out, pr, ob, S == Slots::sparse);
       }
       const int64_t r = static_cast<int64_t>(idx[i]);
-      if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == j.ignore)) continue;
-      const T* s = src + i * j.src_stride;
+      if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == ign)) continue;
+      const T* s = src + i * ss;
       const A wi = Weighted ? w[i] : A(1);
-      if (!Dense && !((j.slot_bits[r >> 6] >> (r & 63)) & 1)) {  // the row's only contribution
-        add_once<Weighted>(out + r * j.out_stride, s, wi, m);
-        continue;
+      int64_t slot = r;
+      if (S == Slots::sparse) {
+        const uint64_t word = slot_bits[r >> 6];
+        if (!((word >> (r & 63)) & 1)) {  // the row's only contribution
+          add_once<Weighted>(out + r * os, s, wi, m);
+          continue;
+        }
+        slot = slot_base[r >> 6] + __builtin_popcountll(word & ((uint64_t(1) << (r & 63)) - 1));
       }
-      if (Dense && j.mark_rows != nullptr) j.mark_rows[r] = 1;
-      A* o = acc + (Dense ? r : slot_of(j, r)) * j.scratch_stride;
+      if (S == Slots::dense && mark != nullptr) mark[r] = 1;
+      A* o = acc + slot * as;
+      if (S == Slots::touched && !((touched[r >> 6] >> (r & 63)) & 1)) {  // first: from out's value
+        touched[r >> 6] |= uint64_t(1) << (r & 63);
+        T* from = out + r * os;
+        if (W == 1 || m <= kScalarCols) {
+          for (int64_t c = 0; c < m; ++c) o[c] = step1<Weighted>(E::get(from[c]), E::get(s[c]), wi);
+          continue;
+        }
+        copy_span(from, o, m, false);
+      }
       if (W == 1 || m <= kScalarCols) {
         for (int64_t c = 0; c < m; ++c) o[c] = step1<Weighted>(o[c], E::get(s[c]), wi);
         continue;
@@ -620,6 +664,10 @@ struct RowKernels {
     const int64_t m = c1 - c0;
     // Rows of m elements back to back in out and in a dense scratch: one span of elements (whose
     // marks, when there are marks, must be one per element: m = 1).
+    if (j.touched != nullptr) {  // touched slots: only back, only the touched rows
+      if (to_out) scratch_copy_touched(j, out, acc, w0, w1, m);
+      return;
+    }
     if (W > 1 && j.out_stride == m && j.scratch_stride == m && j.slot_base == nullptr && (m == 1 || rows == nullptr)) {
       scratch_copy_flat(j, out, acc, rows, w0, w1, m, to_out);
       return;
@@ -652,6 +700,25 @@ struct RowKernels {
           copy_span(o, a, m, to_out);
         }
         if (!to_out && snap != nullptr) std::memcpy(snap, a, static_cast<size_t>(m) * sizeof(A));
+      }
+    }
+  }
+
+  // Touched slots back to out, row by row in increasing order (the slots and rows stream forward
+  // through memory), with the job's fields in registers: written through `out`, they would be
+  // reloaded per row.
+  static void scratch_copy_touched(const DirectJob& j, T* __restrict out, A* __restrict acc, int64_t w0, int64_t w1,
+                                   int64_t m) {
+    const uint64_t* __restrict touched = j.touched;
+    const int64_t os = j.out_stride, as = j.scratch_stride;
+    for (int64_t wd = w0; wd < w1; ++wd) {
+      for (uint64_t bits = touched[wd]; bits != 0; bits &= bits - 1) {
+        const int64_t row = wd * 64 + __builtin_ctzll(bits);
+        if (W == 1 || m <= kScalarCols) {
+          for (int64_t c = 0; c < m; ++c) out[row * os + c] = E::put(acc[row * as + c]);
+        } else {
+          copy_span(out + row * os, acc + row * as, m, true);
+        }
       }
     }
   }

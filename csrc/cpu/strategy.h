@@ -53,6 +53,10 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads);
 // (estimate_ns less the walk itself and the source stream), W, outweighs that:
 // W (nt - 1) > kRowSplitSkipNs.
 bool direct_row_split_pays(const AddShape& s, int nt);
+// Whether a bf16/fp16 direct walk of k entries into n > k rows of d columns sums in touched slots
+// (a float32 slot per row, filled from out by the row's first contribution) rather than sparse
+// ones (a pass over the index first finds the rows named more than once; only those get a slot).
+bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns);
 // Which sort a plan of k entries into n rows uses by cost.
 bool plan_prefers_radix(int64_t n, int64_t k);
 

@@ -193,20 +193,24 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // whose sum equals it rounds back to its own bits; a row no entry names is never written).
   // There a mark, a store to a second random line per entry, costs more than the snapshot's copy
   // and vector compare (see CpuPolicy::kSnapshotMaxCols). Sparse needs the rows that repeat
-  // (bits), and has nothing to do when none does.
+  // (bits), and has nothing to do when none does. Touched (n > k, slots for every row in at most
+  // CpuPolicy::kTouchedMaxBytes: touched_slots_pay) needs no pass first: a row's first
+  // contribution sets its bit in `seen` and starts its slot from out, and the rows of `seen` go
+  // back.
   const bool dense = narrow && n <= k;
   const bool prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
                         static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
   const bool exact = dense && d <= CpuPolicy::kSnapshotMaxCols && (d == 1 || out.row_stride == d) && !split_columns &&
                      !has_nan16(out);
   const bool mark_in_pass = dense && split_columns && !exact;
+  const bool touched = narrow && !dense && touched_slots_pay(n, k, d, split_columns);
   thread_local KeptScratch kept;
   const KeptScratchUse use(kept);
   const int64_t words = narrow ? (n + 63) / 64 : 0;
   uint64_t* const seen = kept.seen.zeroed(static_cast<size_t>(words));
-  uint64_t* const bits = narrow && !dense ? kept.bits.zeroed(static_cast<size_t>(words)) : nullptr;
+  uint64_t* const bits = narrow && !dense && !touched ? kept.bits.zeroed(static_cast<size_t>(words)) : nullptr;
   IndexScan scan = first;
-  if (narrow && (!dense || mark_in_pass)) scan = scan_index(index, n, o.ignore_index, seen, bits);
+  if (narrow && !touched && (!dense || mark_in_pass)) scan = scan_index(index, n, o.ignore_index, seen, bits);
   // Row split: entries per block of rows, from a sample of the index (a split never changes the
   // bits, only who computes which rows, so an estimate of the balance is enough).
   std::vector<int64_t> blocks(split_rows ? static_cast<size_t>((n >> shift) + 1) : 0);
@@ -229,12 +233,12 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   job.row_hi = n;
   job.prefetch = prefetch;
 
-  const bool scratch = dense || (narrow && scan.repeated > 0);
+  const bool scratch = dense || touched || (narrow && scan.repeated > 0);
   uint8_t* const marks = dense && !mark_in_pass && !exact ? kept.marks.zeroed(static_cast<size_t>(n)) : nullptr;
-  int64_t* const slot_base = scratch && !dense ? kept.slot_base.get(static_cast<size_t>(words)) : nullptr;
+  int64_t* const slot_base = scratch && !dense && !touched ? kept.slot_base.get(static_cast<size_t>(words)) : nullptr;
   if (scratch) {
     int64_t slots = n;
-    if (!dense) {
+    if (slot_base != nullptr) {
       slots = 0;
       for (int64_t i = 0; i < words; ++i) {
         slot_base[i] = slots;
@@ -253,6 +257,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     job.slot_bits = bits;
     job.slot_base = slot_base;
     job.mark_rows = marks;
+    if (touched) job.touched = seen;
   }
   const KernelTable& kt = active_kernels();
   const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
@@ -297,7 +302,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     if (scratch) {
       mine.scratch = static_cast<float*>(job.scratch) + c0;
       if (job.scratch_orig != nullptr) mine.scratch_orig = static_cast<float*>(job.scratch_orig) + c0;
-      copy(mine, bits, w0, w1, c0, c1, false);
+      if (!touched) copy(mine, bits, w0, w1, c0, c1, false);
     }
     add(mine, 0, k, c0, c1);
     if (marks != nullptr) {  // this thread's rows (whole words: blocks are multiples of 64 rows)
@@ -317,7 +322,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
         seen[wd] = word;
       }
     }
-    if (scratch) copy(mine, exact ? nullptr : dense ? seen : bits, w0, w1, c0, c1, true);
+    if (scratch) copy(mine, exact ? nullptr : dense || touched ? seen : bits, w0, w1, c0, c1, true);
   });
 }
 

@@ -160,13 +160,18 @@ TEST(Strategies, EveryStrategyAndThreadCountGivesTheContractBits) {
 // The direct walk's row split (each thread a range of rows, every thread walking the whole index)
 // runs only where the work per entry pays for the skipped entries: shapes where it does, at three
 // threads, against the reference.
+// bf16/fp16 sum in touched slots at the first shape and in sparse ones at the second.
 TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   uint64_t seed = 300;
+  struct Shape {
+    int64_t n, k, d;
+  };
+  for (const Shape sh : {Shape{60000, 20000, 16}, Shape{20000, 6000, 64}})
   for (DType t : kDtypes)
     for (Pattern p : {Pattern::uniform, Pattern::zipf})
       for (bool weighted : {false, true}) {
-        const int64_t n = 60000, k = 20000, d = 16;
-        ASSERT_TRUE(sa::cpu::direct_row_split_pays({n, k, d, t}, 3)) << sa::dtype_name(t);
+        const int64_t n = sh.n, k = sh.k, d = sh.d;
+        ASSERT_TRUE(sa::cpu::direct_row_split_pays({n, k, d, t}, 3)) << sa::dtype_name(t) << " D=" << d;
         std::mt19937_64 rng(seed++);
         const Buf out0 = special_buf(t, static_cast<size_t>(n * d), rng);
         const Buf src = special_buf(t, static_cast<size_t>(k * d), rng);
@@ -184,7 +189,7 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
           opt.ignore_index = -1;
           sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d),
                              {weighted ? w.data() : nullptr, k, DType::f32}, opt);
-          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (weighted ? " weighted" : "")
+          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " D=" << d << (weighted ? " weighted" : "")
                                            << " threads=" << threads;
         }
       }
@@ -218,6 +223,54 @@ TEST(Strategies, OneColumnOfALargeOutputGivesTheContractBits) {
                            opt);
         ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " K=" << k << (weighted ? " weighted" : "");
       }
+}
+
+// bf16/fp16 with more rows than entries: touched slots (a float32 slot per row, filled by the
+// row's first contribution) where they fit and rows repeat, sparse ones (slots for the repeated
+// rows only) elsewhere; each shape asserts which one it exercises. One column large enough to be
+// prefetched, and rows of 2 to 17 columns, on 1 to 3 threads.
+TEST(Strategies, TouchedAndSparseSlotsGiveTheContractBits) {
+  struct Shape {
+    int64_t n, k, d;
+    Pattern p;
+    bool touched;
+  };
+  const Shape shapes[] = {
+      {800000, 200000, 1, Pattern::uniform, true}, {300000, 100000, 1, Pattern::zipf, true},
+      {3000, 1000, 3, Pattern::hot_row, true},     {5000, 3000, 16, Pattern::zipf, true},
+      {1700000, 50000, 1, Pattern::zipf, false},   {3000, 500, 4, Pattern::uniform, false},
+      {3000, 2000, 17, Pattern::zipf, false},
+  };
+  uint64_t seed = 1300;
+  for (const Shape& sh : shapes) {
+    ASSERT_EQ(sa::cpu::touched_slots_pay(sh.n, sh.k, sh.d, false), sh.touched) << "N=" << sh.n << " K=" << sh.k
+                                                                                << " D=" << sh.d;
+    for (DType t : {DType::bf16, DType::f16})
+      for (IndexType it : kItypes)
+        for (bool weighted : {false, true}) {
+          std::mt19937_64 rng(seed++);
+          const Buf out0 = special_buf(t, static_cast<size_t>(sh.n * sh.d), rng);
+          const Buf src = special_buf(t, static_cast<size_t>(sh.k * sh.d), rng);
+          std::vector<int64_t> iv = make_indices(sh.p, sh.n, sh.k, rng);
+          for (int64_t i = 0; i < sh.k; i += 11) iv[static_cast<size_t>(i)] = -1;
+          const Idx idx = make_idx(it, iv);
+          const std::vector<float> w = special_weights(sh.k, rng);
+          Buf want = out0;
+          reference_add(want, sh.n, sh.d, sh.d, src, sh.d, iv, weighted ? w.data() : nullptr, int64_t(-1));
+          for (int threads : {1, 2, 3}) {
+            Buf out = out0;
+            sa::Options opt;
+            opt.strategy = sa::Strategy::direct;
+            opt.num_threads = threads;
+            opt.ignore_index = -1;
+            sa::index_add_rows(mat(out, sh.n, sh.d, sh.d), idx.view(), cmat(src, sh.k, sh.d, sh.d),
+                               {weighted ? w.data() : nullptr, sh.k, DType::f32}, opt);
+            ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64")
+                                             << (weighted ? " weighted" : "") << " N=" << sh.n << " K=" << sh.k
+                                             << " D=" << sh.d << " threads=" << threads;
+          }
+        }
+  }
 }
 
 // bf16/fp16 rows pass through a float32 scratch, and the way back makes every NaN the canonical
