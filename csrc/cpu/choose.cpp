@@ -197,8 +197,9 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
 
 bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns) {
   const double slots = static_cast<double>(n) * static_cast<double>(d) * 4.0;
+  const double load = d == 1 ? P::kTouchedMinLoadOneColumn : P::kTouchedMinLoad;
   return n > k && !split_columns && d <= P::kTouchedMaxCols && slots <= static_cast<double>(P::kTouchedMaxBytes) &&
-         (d == 1 || static_cast<double>(k) >= P::kTouchedMinLoad * static_cast<double>(n));
+         static_cast<double>(k) >= load * static_cast<double>(n);
 }
 
 bool direct_row_split_pays(const AddShape& s, int nt) {

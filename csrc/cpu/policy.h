@@ -59,11 +59,13 @@ struct CpuPolicy {
   // slots, one per row, take at most kTouchedMaxBytes sum in touched slots (a slot per row, filled
   // from out by the row's first contribution and written back by a bitmap of the rows touched)
   // rather than sparse ones (a pass over the index first finds the rows named more than once,
-  // and the walk ranks each of those in two bitmaps for its slot); rows of more than one column
-  // only while at least kTouchedMinLoad entries fall on each row. One thread, wall time, best of
+  // and the walk ranks each of those in two bitmaps for its slot), while at least kTouchedMinLoad
+  // entries fall on each row (kTouchedMinLoadOneColumn for rows of one column: below it the copy
+  // back's walk over the bitmap of all N rows outweighs the gain; N = 1.5M, K = 100, 27-34 ->
+  // 36-40 us; N = 1.5M K = 10k even, 145-149 -> 147 us). One thread, wall time, best of
   // 100 calls, alternated runs, sparse -> touched (uniform index unless zipf): D = 1, K = 100k,
   // N = 150k 934-1241 -> 569-594 us, N = 1M 614-895 -> 525-531 us, N = 300k zipf 480-490 ->
-  // 309-312 us; N = 1M K = 200k zipf 1128-1620 -> 796-893 us; N = 1.5M K = 10k 145-149 -> 147 us;
+  // 309-312 us; N = 1M K = 200k zipf 1128-1620 -> 796-893 us;
   // N = 150k K = 100k D = 2 / 4 / 8 1431-1435 -> 1009-1086, 1580-1601 -> 1010-1139, 1547-1583
   // -> 1183-1215 us; N = 50k K = 40k D = 16 572 -> 404 us. Slots beyond the caches, or few repeated
   // rows, lose: D = 1 N = 4M K = 100k 848-854 -> 1466-1635 us; D = 2 N = 1M K = 100k 1008-1011 ->
@@ -71,6 +73,7 @@ struct CpuPolicy {
   static constexpr int64_t kTouchedMaxCols = 16;
   static constexpr int64_t kTouchedMaxBytes = 6 << 20;
   static constexpr double kTouchedMinLoad = 0.25;
+  static constexpr double kTouchedMinLoadOneColumn = 1.0 / 32;
   // Work split: a destination row costs (its contributions + kRowCost) row-transfers, since the
   // row is read and written once. Split points inside a row fall on kColumnAlign elements
   // (128 B of bf16, a multiple of every vector width) so threads never share a cache line

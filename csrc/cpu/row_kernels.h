@@ -614,10 +614,12 @@ struct RowKernels {
     const uint64_t lo = static_cast<uint64_t>(j.row_lo), span = static_cast<uint64_t>(j.row_hi - j.row_lo);
     const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(ign) - lo < span;
     for (int64_t i = i0; i < i1; ++i) {
-      if (prefetch && i + kPrefetchAhead < i1) {  // dense: the slot is where the add goes
+      if (prefetch && i + kPrefetchAhead < i1) {  // the slot, out's row, and the bitmap words that pick them
         const uint64_t pr = own_row(static_cast<uint64_t>(idx[i + kPrefetchAhead]), lo, span);
         if (S != Slots::sparse) prefetch_at(acc, pr, ab, 1);
         if (S != Slots::dense) prefetch_at(out, pr, ob, S == Slots::sparse);
+        if (S != Slots::dense) __builtin_prefetch((S == Slots::sparse ? slot_bits : touched) + (pr >> 6));
+        if (S == Slots::sparse) __builtin_prefetch(slot_base + (pr >> 6));
       }
       const int64_t r = static_cast<int64_t>(idx[i]);
       if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == ign)) continue;
