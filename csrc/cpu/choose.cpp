@@ -104,9 +104,9 @@ using P = CpuPolicy;
 
 // Reading and writing `count` rows of `row_bytes` at random places of a working set of `ws`
 // bytes: in cache, or a row fetched from memory each.
-double rmw_ns(double count, double row_bytes, double ws) {
-  if (ws <= P::kCacheBytes) return count * 2.0 * row_bytes * P::kNsPerByteCached;
-  return count * (P::kNsPerRandomRow + 2.0 * row_bytes * P::kNsPerByteMemory);
+double rmw_ns(const CostModel& m, double count, double row_bytes, double ws) {
+  if (ws <= m.cache_bytes) return count * 2.0 * row_bytes * m.ns_per_byte_cached;
+  return count * (m.ns_per_random_row + 2.0 * row_bytes * m.ns_per_byte_memory);
 }
 
 // Rows an index of k uniform draws from n rows touches: n (1 - e^(-k/n)).
@@ -115,56 +115,98 @@ double touched_rows(int64_t n, int64_t k) {
   return nd * -std::expm1(-static_cast<double>(k) / nd);
 }
 
-double plan_ns(int64_t n, int64_t k, bool radix) {
-  if (!radix) return P::kCountNsPerRow * static_cast<double>(n) + P::kCountNsPerEntry * static_cast<double>(k);
+double plan_ns(const CostModel& m, int64_t n, int64_t k, bool radix) {
+  if (!radix) return m.count_ns_per_row * static_cast<double>(n) + m.count_ns_per_entry * static_cast<double>(k);
   int bits = 0;
   while (bits < 63 && (int64_t(1) << bits) < n) ++bits;
   const int passes = std::max(1, (bits + P::kRadixDigitBits - 1) / P::kRadixDigitBits);
   const int digit = (bits + passes - 1) / passes;
-  return passes * (P::kRadixNsPerEntryPass * static_cast<double>(k) +
-                   P::kRadixNsPerBucket * static_cast<double>(int64_t(1) << digit));
+  return passes * (m.radix_ns_per_entry_pass * static_cast<double>(k) +
+                   m.radix_ns_per_bucket * static_cast<double>(int64_t(1) << digit));
 }
+
+bool prefers_radix(const CostModel& m, int64_t n, int64_t k) { return plan_ns(m, n, k, true) < plan_ns(m, n, k, false); }
 
 }  // namespace
 
-bool plan_prefers_radix(int64_t n, int64_t k) { return plan_ns(n, k, true) < plan_ns(n, k, false); }
+const CostModel& policy_cost_model() {
+  static const CostModel m{P::kDirectNsPerEntry,     P::kDirect16NsPerEntry,  P::kDirect16SparseNsPerEntry,
+                           P::kPlannedNsPerEntry,    P::kPlannedNsPerRow,     P::kNsPerByteStream,
+                           P::kNsPerByteCached,      P::kNsPerByteMemory,     P::kNsPerRandomRow,
+                           P::kNsPerRandomSourceRow, P::kNsPerCachedSourceRow, P::kCacheBytes,
+                           P::kBitmapNsPerRow,       P::kCountNsPerRow,       P::kCountNsPerEntry,
+                           P::kRadixNsPerEntryPass,  P::kRadixNsPerBucket};
+  return m;
+}
+
+const std::vector<CostTerm>& cost_terms() {
+  static const std::vector<CostTerm> terms = {
+      {"kDirectNsPerEntry", &CostModel::direct_ns_per_entry},
+      {"kDirect16NsPerEntry", &CostModel::direct16_ns_per_entry},
+      {"kDirect16SparseNsPerEntry", &CostModel::direct16_sparse_ns_per_entry},
+      {"kPlannedNsPerEntry", &CostModel::planned_ns_per_entry},
+      {"kPlannedNsPerRow", &CostModel::planned_ns_per_row},
+      {"kNsPerByteStream", &CostModel::ns_per_byte_stream},
+      {"kNsPerByteCached", &CostModel::ns_per_byte_cached},
+      {"kNsPerByteMemory", &CostModel::ns_per_byte_memory},
+      {"kNsPerRandomRow", &CostModel::ns_per_random_row},
+      {"kNsPerRandomSourceRow", &CostModel::ns_per_random_source_row},
+      {"kNsPerCachedSourceRow", &CostModel::ns_per_cached_source_row},
+      {"kCacheBytes", &CostModel::cache_bytes},
+      {"kBitmapNsPerRow", &CostModel::bitmap_ns_per_row},
+      {"kCountNsPerRow", &CostModel::count_ns_per_row},
+      {"kCountNsPerEntry", &CostModel::count_ns_per_entry},
+      {"kRadixNsPerEntryPass", &CostModel::radix_ns_per_entry_pass},
+      {"kRadixNsPerBucket", &CostModel::radix_ns_per_bucket},
+  };
+  return terms;
+}
+
+bool plan_prefers_radix(int64_t n, int64_t k) { return prefers_radix(policy_cost_model(), n, k); }
 
 // The terms, for an index of k uniform draws from n rows (lambda = k / n contributions per row):
 // R = n (1 - e^-lambda) rows touched, R2 = n (1 - e^-lambda (1 + lambda)) touched more than once,
 // k e^-lambda contributions alone in their row. rb = D * element size, ab = D * accumulator size.
-double estimate_ns(const AddShape& s, Strategy strategy) {
+double estimate_ns(const AddShape& s, Strategy strategy, const CostModel& m) {
   const double n = static_cast<double>(std::max<int64_t>(s.n, 1)), k = static_cast<double>(s.k);
   const double es = static_cast<double>(dtype_size(s.dtype));
   const double rb = static_cast<double>(s.d) * es, ab = static_cast<double>(s.d) * 4.0;
   const double lambda = k / n;
   const double r = touched_rows(s.n, s.k);
   const double r2 = n * (1.0 - std::exp(-lambda) * (1.0 + lambda));
-  const double src_stream = k * rb * P::kNsPerByteStream;
+  const double src_stream = k * rb * m.ns_per_byte_stream;
   if (strategy == Strategy::direct) {
     if (es != 2)  // the destination row itself accumulates
-      return k * P::kDirectNsPerEntry + src_stream + rmw_ns(k, rb, r * rb);
+      return k * m.direct_ns_per_entry + src_stream + rmw_ns(m, k, rb, r * rb);
     if (s.n <= s.k) {  // dense scratch: every row copied in, touched rows copied back
       // Per entry as float32's while the scratch is small, up to kDirect16NsPerEntry as it fills
       // the cache (one thread: 1.4 ns at N = 1000, 1.15 ns at 4096 rows of one column, 2.2 ns at
       // 10k, 3.5 ns at 100k).
-      const double fill = std::min(1.0, n * ab / P::kCacheBytes);
-      const double per_entry = P::kDirectNsPerEntry + (P::kDirect16NsPerEntry - P::kDirectNsPerEntry) * fill;
-      return k * per_entry + src_stream + n * (rb + ab) * P::kNsPerByteStream +
-             rmw_ns(k, ab, n * ab) + r * (ab + rb) * P::kNsPerByteStream;
+      const double fill = std::min(1.0, n * ab / m.cache_bytes);
+      const double per_entry = m.direct_ns_per_entry + (m.direct16_ns_per_entry - m.direct_ns_per_entry) * fill;
+      return k * per_entry + src_stream + n * (rb + ab) * m.ns_per_byte_stream + rmw_ns(m, k, ab, n * ab) +
+             r * (ab + rb) * m.ns_per_byte_stream;
     }
-    if (touched_slots_pay(s.n, s.k, s.d, false))  // as dense, but each touched row copied in at random
-      return k * P::kDirect16NsPerEntry + src_stream + rmw_ns(k, ab, n * ab) + rmw_ns(r, rb, n * rb) +
-             r * ab * P::kNsPerByteStream;
+    if (touched_slots_pay(s.n, s.k, s.d, false, lambda))  // as dense, but each touched row copied in at random
+      return k * m.direct16_ns_per_entry + src_stream + rmw_ns(m, k, ab, n * ab) + rmw_ns(m, r, rb, n * rb) +
+             r * ab * m.ns_per_byte_stream;
     // sparse scratch: single contributions in place, repeated rows in the scratch
     const double single = k * std::exp(-lambda);
-    return k * P::kDirect16SparseNsPerEntry + n * P::kBitmapNsPerRow + src_stream + rmw_ns(single, rb, n * rb) +
-           rmw_ns(k - single, ab, r2 * ab) + r2 * (ab + rb) * 2.0 * P::kNsPerByteStream;
+    return k * m.direct16_sparse_ns_per_entry + n * m.bitmap_ns_per_row + src_stream + rmw_ns(m, single, rb, n * rb) +
+           rmw_ns(m, k - single, ab, r2 * ab) + r2 * (ab + rb) * 2.0 * m.ns_per_byte_stream;
   }
-  const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
-  const double src = k * rb <= P::kCacheBytes ? k * (P::kNsPerCachedSourceRow + rb * P::kNsPerByteCached)
-                                              : k * (P::kNsPerRandomSourceRow + rb * P::kNsPerByteMemory);
-  return plan_ns(s.n, s.k, radix) + k * P::kPlannedNsPerEntry + r * P::kPlannedNsPerRow + src +
-         2.0 * r * rb * P::kNsPerByteStream;
+  const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && prefers_radix(m, s.n, s.k));
+  const double src = k * rb <= m.cache_bytes ? k * (m.ns_per_cached_source_row + rb * m.ns_per_byte_cached)
+                                             : k * (m.ns_per_random_source_row + rb * m.ns_per_byte_memory);
+  return plan_ns(m, s.n, s.k, radix) + k * m.planned_ns_per_entry + r * m.planned_ns_per_row + src +
+         2.0 * r * rb * m.ns_per_byte_stream;
+}
+
+Strategy cheapest_add(const AddShape& s, const CostModel& m) {
+  const double direct = estimate_ns(s, Strategy::direct, m), count = estimate_ns(s, Strategy::count, m),
+               radix = estimate_ns(s, Strategy::radix, m);
+  if (direct <= count && direct <= radix) return Strategy::direct;
+  return count <= radix ? Strategy::count : Strategy::radix;
 }
 
 DirectSplit direct_split(const AddShape& s, const Options& o, bool sorted) {
@@ -191,15 +233,40 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
   // A plan's rows divide over the threads (each row summed by one); its sort runs on one.
   const int nt = threads_for(o, (k + static_cast<double>(P::kRowCost) * touched_rows(s.n, s.k)) * d * es);
   const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
-  const double sort = std::min(one, std::max(plan_ns(s.n, s.k, radix), k * P::kSerialSortNsPerEntry));
+  const double sort = std::min(one, std::max(plan_ns(policy_cost_model(), s.n, s.k, radix), k * P::kSerialSortNsPerEntry));
   return sort + (one - sort) / nt;
 }
 
-bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns) {
+bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, double load) {
   const double slots = static_cast<double>(n) * static_cast<double>(d) * 4.0;
-  const double load = d == 1 ? P::kTouchedMinLoadOneColumn : P::kTouchedMinLoad;
   return n > k && !split_columns && d <= P::kTouchedMaxCols && slots <= static_cast<double>(P::kTouchedMaxBytes) &&
-         static_cast<double>(k) >= load * static_cast<double>(n);
+         load >= P::kTouchedMinLoad;
+}
+
+double sampled_load(const IndexVector& index, int64_t n, std::optional<int64_t> ignore) {
+  const int64_t k = index.size;
+  const double lambda = static_cast<double>(k) / static_cast<double>(std::max<int64_t>(n, 1));
+  if (lambda >= P::kTouchedMinLoad || k < P::kLoadSampleMinEntries) return lambda;
+  // Pairs of sampled entries that name one row, counted in an open-addressing table.
+  constexpr int kBits = 13, kSize = 1 << kBits;
+  static_assert(2 * P::kLoadSamples <= kSize, "the table must stay at most half full");
+  std::vector<int64_t> rows(kSize, -1);
+  std::vector<int64_t> seen(kSize, 0);
+  const int64_t step = std::max<int64_t>(1, k / P::kLoadSamples);
+  int64_t samples = 0, pairs = 0;
+  for (int64_t i = 0; i < k && samples < P::kLoadSamples; i += step) {
+    const int64_t r = index.type == IndexType::i64 ? static_cast<const int64_t*>(index.data)[i]
+                                                    : static_cast<const int32_t*>(index.data)[i];
+    if (ignore && r == *ignore) continue;
+    uint64_t h = (static_cast<uint64_t>(r) * 0x9E3779B97F4A7C15ull) >> (64 - kBits);
+    while (rows[h] != -1 && rows[h] != r) h = (h + 1) & (kSize - 1);
+    rows[h] = r;
+    pairs += seen[h]++;
+    ++samples;
+  }
+  if (samples < 2) return lambda;
+  const double chance = static_cast<double>(pairs) / (0.5 * static_cast<double>(samples) * static_cast<double>(samples - 1));
+  return std::max(lambda, static_cast<double>(k) * chance);
 }
 
 bool direct_row_split_pays(const AddShape& s, int nt) {

@@ -59,21 +59,25 @@ struct CpuPolicy {
   // slots, one per row, take at most kTouchedMaxBytes sum in touched slots (a slot per row, filled
   // from out by the row's first contribution and written back by a bitmap of the rows touched)
   // rather than sparse ones (a pass over the index first finds the rows named more than once,
-  // and the walk ranks each of those in two bitmaps for its slot), while at least kTouchedMinLoad
-  // entries fall on each row (kTouchedMinLoadOneColumn for rows of one column: below it the copy
-  // back's walk over the bitmap of all N rows outweighs the gain; N = 1.5M, K = 100, 27-34 ->
-  // 36-40 us; N = 1.5M K = 10k even, 145-149 -> 147 us). One thread, wall time, best of
-  // 100 calls, alternated runs, sparse -> touched (uniform index unless zipf): D = 1, K = 100k,
-  // N = 150k 934-1241 -> 569-594 us, N = 1M 614-895 -> 525-531 us, N = 300k zipf 480-490 ->
-  // 309-312 us; N = 1M K = 200k zipf 1128-1620 -> 796-893 us;
-  // N = 150k K = 100k D = 2 / 4 / 8 1431-1435 -> 1009-1086, 1580-1601 -> 1010-1139, 1547-1583
-  // -> 1183-1215 us; N = 50k K = 40k D = 16 572 -> 404 us. Slots beyond the caches, or few repeated
-  // rows, lose: D = 1 N = 4M K = 100k 848-854 -> 1466-1635 us; D = 2 N = 1M K = 100k 1008-1011 ->
-  // 1476-1532 us; D = 4 N = 300k K = 30k 372-383 -> 468-512 us.
+  // and the walk ranks each of those in two bitmaps for its slot), where rows repeat: a load of
+  // at least kTouchedMinLoad entries per row (sampled_load: K / N, or for K of kLoadSampleMinEntries
+  // and more whose K / N is lower, K times the chance that two of kLoadSamples sampled entries
+  // share a row). Two threads, wall time, best of 50 calls, each after 64 MiB of other writes
+  // (cold caches), alternated, sparse -> touched, D = 1, K = 100k: uniform N = 150k 933-950 ->
+  // 725-734 us, N = 200k 892-906 -> 716-719 us; zipf N = 1M 971-1036 -> 589-754 us; but uniform
+  // N = 300k 809-811 -> 975-1403 us, N = 500k 834-927 -> 1032-1259 us, N = 1M even (828-929,
+  // 818-841 us). With warm caches touched won at every load (one thread, best of 100: N = 1M
+  // 614-895 -> 525-531 us) but lost where its slots outgrow the caches: N = 4M 848-854 ->
+  // 1466-1635 us; D = 2 N = 1M 1008-1011 -> 1476-1532 us. Rows of 2 to 16 columns, warm, N = 150k
+  // K = 100k: D = 2 / 4 / 8 1431-1435 -> 1009-1086, 1580-1601 -> 1010-1139, 1547-1583 ->
+  // 1183-1215 us; D = 16 N = 50k K = 40k 572 -> 404 us; D = 4 N = 300k K = 30k (load 0.1) 372-383
+  // -> 468-512 us. The sample (4096 entries into a 128 KiB table) takes about 10 us (N = 1M,
+  // K = 100k, warm), so only calls of 64k entries and more (several hundred us) take it.
   static constexpr int64_t kTouchedMaxCols = 16;
   static constexpr int64_t kTouchedMaxBytes = 6 << 20;
-  static constexpr double kTouchedMinLoad = 0.25;
-  static constexpr double kTouchedMinLoadOneColumn = 1.0 / 32;
+  static constexpr double kTouchedMinLoad = 0.5;
+  static constexpr int64_t kLoadSamples = 4096;
+  static constexpr int64_t kLoadSampleMinEntries = 65536;
   // Work split: a destination row costs (its contributions + kRowCost) row-transfers, since the
   // row is read and written once. Split points inside a row fall on kColumnAlign elements
   // (128 B of bf16, a multiple of every vector width) so threads never share a cache line
@@ -92,11 +96,16 @@ struct CpuPolicy {
   // build got faster (kept scratch, snapshot, column kernels, 32-bit counts) scores the same
   // constants at 1.009x, worst 1.22x (bfloat16 N = 16384 K = 163 D = 256 and float32 N = 1638
   // K = 16384 D = 256), so they were not refitted. An AMD EPYC's calibration
-  // (benchmarks/cpu_calibration_epyc.csv, Zen cores, 1 MiB L2, 32 MiB L3) scores them at 1.035x,
-  // worst 1.91x at float32 N = 1638 K = 16384 D = 256 (out in the L2/L3, priced as memory by
-  // the one cache tier of kCacheBytes; but a second tier for the direct walk's rows alone scored
-  // worse on both calibrations, 1.041-1.055x, since that walk's price there is mostly
-  // kNsPerByteStream's source stream: a refit has to move the terms together).
+  // (benchmarks/cpu_calibration_epyc.csv, Zen cores, 1 MiB L2, 32 MiB L3; each time the least
+  // of three runs) scores them at 1.034x, worst 2.08x at float32 N = 1638 K = 16384 D = 256 (out
+  // in the L2/L3, priced as memory by the one cache tier of kCacheBytes). `bench_scatter_add
+  // --fit` over both calibrations finds no constant whose change (x0.5 to x2) lowers their mean
+  // regret by 0.01%: the constants sit at a minimum for one-at-a-time moves (with any gain kept,
+  // kNsPerByteStream x0.7 and kCountNsPerRow x0.5 move the Xeon 1.021 -> 1.022x and the EPYC
+  // 1.035 -> 1.032x). A second cache tier for random rows, 2 to 64 MB at 0.002 to 0.03 ns per
+  // byte, takes the EPYC to 1.022x at best but the Xeon to 1.034-1.069x (and one for the direct
+  // walk's rows alone scored 1.041-1.055x on both): no one set of constants serves both CPUs
+  // better than these.
   // Per index entry: the direct walk (float32/float64; bf16/fp16 with a dense scratch; bf16/fp16
   // with a sparse one) and the planned walk; per destination row of the planned walk.
   static constexpr double kDirectNsPerEntry = 1.45;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "scatter_add/scatter_add.h"
@@ -28,9 +29,27 @@ struct AddShape {
 // sorted index (its runs walk needs no sort), else the cheapest by the cost model (policy.h).
 // Never automatic.
 Strategy choose_add(const AddShape& s, const Options& o, bool sorted = false);
+// The cost model's constants: policy.h's (policy_cost_model), or others to try
+// (`bench_scatter_add --fit` searches them against saved calibrations).
+struct CostModel {
+  double direct_ns_per_entry, direct16_ns_per_entry, direct16_sparse_ns_per_entry, planned_ns_per_entry,
+      planned_ns_per_row, ns_per_byte_stream, ns_per_byte_cached, ns_per_byte_memory, ns_per_random_row,
+      ns_per_random_source_row, ns_per_cached_source_row, cache_bytes, bitmap_ns_per_row, count_ns_per_row,
+      count_ns_per_entry, radix_ns_per_entry_pass, radix_ns_per_bucket;
+};
+const CostModel& policy_cost_model();
+// Each constant of CostModel by its name in policy.h.
+struct CostTerm {
+  const char* name;
+  double CostModel::*value;
+};
+const std::vector<CostTerm>& cost_terms();
 // Estimated nanoseconds of each strategy for the shape, single thread (for the benchmark's
 // report and the tests of the chooser).
-double estimate_ns(const AddShape& s, Strategy strategy);
+double estimate_ns(const AddShape& s, Strategy strategy, const CostModel& m = policy_cost_model());
+// The cheapest strategy on one thread by model m: what choose_add picks at one thread with no
+// strategy forced, for an unsorted index.
+Strategy cheapest_add(const AddShape& s, const CostModel& m);
 // How run_direct divides its walk: the threads it takes (threads_for, and one when no split
 // pays), whether they split the columns (each at least CpuPolicy::kMinColumnShareBytes of every
 // row) or the rows (direct_row_split_pays; never for a sorted index, whose runs split by
@@ -55,8 +74,15 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads);
 bool direct_row_split_pays(const AddShape& s, int nt);
 // Whether a bf16/fp16 direct walk of k entries into n > k rows of d columns sums in touched slots
 // (a float32 slot per row, filled from out by the row's first contribution) rather than sparse
-// ones (a pass over the index first finds the rows named more than once; only those get a slot).
-bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns);
+// ones (a pass over the index first finds the rows named more than once; only those get a slot):
+// the slots fit, and `load`, the entries per row as far as repeats go (k / n for a uniform index,
+// sampled_load for a given one), is at least CpuPolicy::kTouchedMinLoad.
+bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, double load);
+// The load of an index of k entries into n rows for touched_slots_pay: k / n, or where that is
+// under CpuPolicy::kTouchedMinLoad and k is at least kLoadSampleMinEntries, k times the
+// chance that two entries name the same row, estimated from a strided sample of
+// kLoadSamples entries (a hot row repeats far more than k / n says).
+double sampled_load(const IndexVector& index, int64_t n, std::optional<int64_t> ignore);
 // Which sort a plan of k entries into n rows uses by cost.
 bool plan_prefers_radix(int64_t n, int64_t k);
 

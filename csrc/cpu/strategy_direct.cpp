@@ -13,6 +13,7 @@
 // a range of rows, cut where the index's per-block counts balance the work; either way each output
 // element has one owner and one summation order. Otherwise one thread walks alone.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -194,16 +195,17 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // There a mark, a store to a second random line per entry, costs more than the snapshot's copy
   // and vector compare (see CpuPolicy::kSnapshotMaxCols). Sparse needs the rows that repeat
   // (bits), and has nothing to do when none does. Touched (n > k, slots for every row in at most
-  // CpuPolicy::kTouchedMaxBytes: touched_slots_pay) needs no pass first: a row's first
-  // contribution sets its bit in `seen` and starts its slot from out, and the rows of `seen` go
-  // back.
+  // CpuPolicy::kTouchedMaxBytes, and rows that repeat: touched_slots_pay) needs no pass first: a
+  // row's first contribution sets its bit in `seen` and starts its slot from out, and the rows of
+  // `seen` go back.
   const bool dense = narrow && n <= k;
   const bool prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
                         static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
   const bool exact = dense && d <= CpuPolicy::kSnapshotMaxCols && (d == 1 || out.row_stride == d) && !split_columns &&
                      !has_nan16(out);
   const bool mark_in_pass = dense && split_columns && !exact;
-  const bool touched = narrow && !dense && touched_slots_pay(n, k, d, split_columns);
+  const bool touched = narrow && !dense && touched_slots_pay(n, k, d, split_columns, HUGE_VAL) &&
+                       touched_slots_pay(n, k, d, split_columns, sampled_load(index, n, o.ignore_index));
   thread_local KeptScratch kept;
   const KeptScratchUse use(kept);
   const int64_t words = narrow ? (n + 63) / 64 : 0;

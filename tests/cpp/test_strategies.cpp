@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "policy.h"
 #include "strategy.h"
 #include "test_util.h"
 
@@ -166,7 +167,8 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   struct Shape {
     int64_t n, k, d;
   };
-  for (const Shape sh : {Shape{60000, 20000, 16}, Shape{20000, 6000, 64}})
+  ASSERT_TRUE(sa::cpu::touched_slots_pay(30000, 20000, 16, false, 20000.0 / 30000));
+  for (const Shape sh : {Shape{30000, 20000, 16}, Shape{20000, 6000, 64}})
   for (DType t : kDtypes)
     for (Pattern p : {Pattern::uniform, Pattern::zipf})
       for (bool weighted : {false, true}) {
@@ -235,16 +237,17 @@ TEST(Strategies, TouchedAndSparseSlotsGiveTheContractBits) {
     Pattern p;
     bool touched;
   };
+  // Zipf's hot rows make a load of 0.25 and 0.33 entries per row count as repeated (sampled);
+  // a uniform one of 0.125 does not.
   const Shape shapes[] = {
-      {800000, 200000, 1, Pattern::uniform, true}, {300000, 100000, 1, Pattern::zipf, true},
-      {3000, 1000, 3, Pattern::hot_row, true},     {5000, 3000, 16, Pattern::zipf, true},
-      {1700000, 50000, 1, Pattern::zipf, false},   {3000, 500, 4, Pattern::uniform, false},
+      {800000, 200000, 1, Pattern::zipf, true},  {300000, 100000, 1, Pattern::zipf, true},
+      {300000, 200000, 1, Pattern::uniform, true}, {1500, 1000, 3, Pattern::hot_row, true},
+      {5000, 3000, 16, Pattern::zipf, true},     {800000, 100000, 1, Pattern::uniform, false},
+      {1700000, 50000, 1, Pattern::zipf, false}, {3000, 500, 4, Pattern::uniform, false},
       {3000, 2000, 17, Pattern::zipf, false},
   };
   uint64_t seed = 1300;
   for (const Shape& sh : shapes) {
-    ASSERT_EQ(sa::cpu::touched_slots_pay(sh.n, sh.k, sh.d, false), sh.touched) << "N=" << sh.n << " K=" << sh.k
-                                                                                << " D=" << sh.d;
     for (DType t : {DType::bf16, DType::f16})
       for (IndexType it : kItypes)
         for (bool weighted : {false, true}) {
@@ -254,6 +257,9 @@ TEST(Strategies, TouchedAndSparseSlotsGiveTheContractBits) {
           std::vector<int64_t> iv = make_indices(sh.p, sh.n, sh.k, rng);
           for (int64_t i = 0; i < sh.k; i += 11) iv[static_cast<size_t>(i)] = -1;
           const Idx idx = make_idx(it, iv);
+          ASSERT_EQ(sa::cpu::touched_slots_pay(sh.n, sh.k, sh.d, false, sa::cpu::sampled_load(idx.view(), sh.n, -1)),
+                    sh.touched)
+              << "N=" << sh.n << " K=" << sh.k << " D=" << sh.d;
           const std::vector<float> w = special_weights(sh.k, rng);
           Buf want = out0;
           reference_add(want, sh.n, sh.d, sh.d, src, sh.d, iv, weighted ? w.data() : nullptr, int64_t(-1));
@@ -271,6 +277,28 @@ TEST(Strategies, TouchedAndSparseSlotsGiveTheContractBits) {
           }
         }
   }
+}
+
+// The load that picks touched slots: K / N for a uniform index, far more for one with hot rows
+// (K times the chance that two entries share a row), and K / N again below the sampling size.
+TEST(Strategies, SampledLoadSeesHotRows) {
+  std::mt19937_64 rng(77);
+  const int64_t n = 1000000, k = 100000;
+  const Idx uniform = make_idx(IndexType::i32, make_indices(Pattern::uniform, n, k, rng));
+  const double lu = sa::cpu::sampled_load(uniform.view(), n, std::nullopt);
+  EXPECT_GE(lu, 0.1);
+  EXPECT_LT(lu, sa::cpu::CpuPolicy::kTouchedMinLoad);
+  const Idx zipf = make_idx(IndexType::i64, make_indices(Pattern::zipf, n, k, rng));
+  EXPECT_GT(sa::cpu::sampled_load(zipf.view(), n, std::nullopt), 10.0);
+  std::vector<int64_t> one(static_cast<size_t>(k), 7);
+  const Idx same = make_idx(IndexType::i32, one);
+  EXPECT_NEAR(sa::cpu::sampled_load(same.view(), n, std::nullopt), static_cast<double>(k), 1.0);
+  // ignored entries are not samples: all but a uniform few ignored leaves a uniform load
+  for (int64_t i = 0; i < k; ++i) one[static_cast<size_t>(i)] = i % 8 == 0 ? (i * 7919) % n : 7;
+  const Idx mostly_ignored = make_idx(IndexType::i32, one);
+  EXPECT_LT(sa::cpu::sampled_load(mostly_ignored.view(), n, int64_t(7)), sa::cpu::CpuPolicy::kTouchedMinLoad);
+  const Idx small = make_idx(IndexType::i32, std::vector<int64_t>(1000, 3));
+  EXPECT_DOUBLE_EQ(sa::cpu::sampled_load(small.view(), n, std::nullopt), 1000.0 / n);
 }
 
 // bf16/fp16 rows pass through a float32 scratch, and the way back makes every NaN the canonical
