@@ -237,10 +237,13 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
   return sort + (one - sort) / nt;
 }
 
-bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, double load) {
+bool touched_slots_fit(int64_t n, int64_t k, int64_t d, bool split_columns) {
   const double slots = static_cast<double>(n) * static_cast<double>(d) * 4.0;
-  return n > k && !split_columns && d <= P::kTouchedMaxCols && slots <= static_cast<double>(P::kTouchedMaxBytes) &&
-         load >= P::kTouchedMinLoad;
+  return n > k && !split_columns && d <= P::kTouchedMaxCols && slots <= static_cast<double>(P::kTouchedMaxBytes);
+}
+
+bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, double load) {
+  return touched_slots_fit(n, k, d, split_columns) && load >= P::kTouchedMinLoad;
 }
 
 double sampled_load(const IndexVector& index, int64_t n, std::optional<int64_t> ignore) {

@@ -501,35 +501,21 @@ struct RowKernels {
 
   template <class I, bool Weighted>
   static void scratch_add(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
-    const Slots slots = j.touched != nullptr ? Slots::touched : j.slot_base == nullptr ? Slots::dense : Slots::sparse;
-    if (c1 - c0 == 1) {
-      switch (slots) {
-        case Slots::dense:
-          if (j.prefetch)
-            scratch_add_column<I, Weighted, Slots::dense, true>(j, i0, i1, c0);
-          else
-            scratch_add_column<I, Weighted, Slots::dense, false>(j, i0, i1, c0);
-          break;
-        case Slots::sparse:
-          if (j.prefetch)
-            scratch_add_column<I, Weighted, Slots::sparse, true>(j, i0, i1, c0);
-          else
-            scratch_add_column<I, Weighted, Slots::sparse, false>(j, i0, i1, c0);
-          break;
-        case Slots::touched:
-          if (j.prefetch)
-            scratch_add_column<I, Weighted, Slots::touched, true>(j, i0, i1, c0);
-          else
-            scratch_add_column<I, Weighted, Slots::touched, false>(j, i0, i1, c0);
-          break;
-      }
-    } else if (slots == Slots::dense) {
-      scratch_add_loop<I, Weighted, Slots::dense>(j, i0, i1, c0, c1);
-    } else if (slots == Slots::sparse) {
-      scratch_add_loop<I, Weighted, Slots::sparse>(j, i0, i1, c0, c1);
-    } else {
-      scratch_add_loop<I, Weighted, Slots::touched>(j, i0, i1, c0, c1);
-    }
+    auto run = [&](auto slots) {
+      constexpr Slots S = decltype(slots)::value;
+      if (c1 - c0 != 1)
+        scratch_add_loop<I, Weighted, S>(j, i0, i1, c0, c1);
+      else if (j.prefetch)
+        scratch_add_column<I, Weighted, S, true>(j, i0, i1, c0);
+      else
+        scratch_add_column<I, Weighted, S, false>(j, i0, i1, c0);
+    };
+    if (j.touched != nullptr)
+      run(std::integral_constant<Slots, Slots::touched>{});
+    else if (j.slot_base == nullptr)
+      run(std::integral_constant<Slots, Slots::dense>{});
+    else
+      run(std::integral_constant<Slots, Slots::sparse>{});
   }
   // One column: the general loop's byte mark and stores may alias every field of the job, which
   // the compiler then reloads per entry; here the fields live in registers. K = 1M, D = 1 bf16,

@@ -78,6 +78,8 @@ bool direct_row_split_pays(const AddShape& s, int nt);
 // the slots fit, and `load`, the entries per row as far as repeats go (k / n for a uniform index,
 // sampled_load for a given one), is at least CpuPolicy::kTouchedMinLoad.
 bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, double load);
+// The first half of that: whether the slots fit (n > k, d, their bytes, no column split).
+bool touched_slots_fit(int64_t n, int64_t k, int64_t d, bool split_columns);
 // The load of an index of k entries into n rows for touched_slots_pay: k / n, or where that is
 // under CpuPolicy::kTouchedMinLoad and k is at least kLoadSampleMinEntries, k times the
 // chance that two entries name the same row, estimated from a strided sample of

@@ -13,7 +13,6 @@
 // a range of rows, cut where the index's per-block counts balance the work; either way each output
 // element has one owner and one summation order. Otherwise one thread walks alone.
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -204,7 +203,8 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   const bool exact = dense && d <= CpuPolicy::kSnapshotMaxCols && (d == 1 || out.row_stride == d) && !split_columns &&
                      !has_nan16(out);
   const bool mark_in_pass = dense && split_columns && !exact;
-  const bool touched = narrow && !dense && touched_slots_pay(n, k, d, split_columns, HUGE_VAL) &&
+  // (the index is sampled only when the slots fit)
+  const bool touched = narrow && !dense && touched_slots_fit(n, k, d, split_columns) &&
                        touched_slots_pay(n, k, d, split_columns, sampled_load(index, n, o.ignore_index));
   thread_local KeptScratch kept;
   const KeptScratchUse use(kept);
