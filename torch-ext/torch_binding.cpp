@@ -509,8 +509,7 @@ struct Cpu {
   }
 };
 
-// y = x @ w.T for bfloat16 CPU matrices of a few rows x (an MoE expert's products at decode
-// sizes, see sa::small_matmul); false, with y untouched, where the core has no kernel for the
+// y = x @ w.T for bfloat16 CPU matrices (an MoE expert's products, see sa::small_matmul); false, with y untouched, where the core has no kernel for the
 // call (the caller multiplies with torch). y, x and w: 2-D, rows with unit column stride.
 bool small_matmul_op(const Tensor& y, const Tensor& x, const Tensor& w) {
   const char* op = "small_matmul";

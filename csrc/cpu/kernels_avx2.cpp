@@ -2,6 +2,9 @@
 // Compiled with -mavx2 -mfma -mf16c; called only when CPUID and XGETBV report AVX2 support.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "convert.h"
 #include "row_kernels.h"
 
@@ -137,10 +140,97 @@ struct Avx2F16 : Avx2F32 {
   static void store_lanes(uint16_t* p, vec v, uint64_t lanes) { store_lanes16(p, narrow(v), lanes); }
 };
 
+// ---- expert products ----------------------------------------------------------------------------
+// y = x @ w.T in bfloat16 (small_matmul.cpp). Each 32-byte step of a row holds 16 bf16 values:
+// the even ones become float32 by a shift, the odd ones by a mask, and each of the 8 lanes adds
+// its even product, then its odd one, by FMA into the accumulator of its (x row, w row) pair; the
+// lanes are summed by lanes_sum8 in a fixed order and rounded once. A block of M rows of x and R
+// rows of w shares each step's widened vectors (R * M accumulators + 2 * M x vectors + 2 w
+// vectors within the 16 registers). The last 1 to 15 columns go through zero-padded copies: their
+// extra lanes add 0 * 0.
+inline __m256 bf16_even8(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 bf16_odd8(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline float lanes_sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int M, int R>
+void matmul_block(const SmallMatmulJob& j, int64_t i, int64_t o) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < M; ++q) acc[r][q] = _mm256_setzero_ps();
+  const uint16_t* w[R];
+  const uint16_t* x[M];
+  for (int r = 0; r < R; ++r) w[r] = j.w + (o + r) * j.w_stride;
+  for (int q = 0; q < M; ++q) x[q] = j.x + (i + q) * j.x_stride;
+  auto step = [&](const uint16_t* const* xp, const uint16_t* const* wp, int64_t c) {
+    __m256 xe[M], xo[M];
+    for (int q = 0; q < M; ++q) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp[q] + c));
+      xe[q] = bf16_even8(v);
+      xo[q] = bf16_odd8(v);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[r] + c));
+      const __m256 we = bf16_even8(v), wo = bf16_odd8(v);
+      for (int q = 0; q < M; ++q) acc[r][q] = _mm256_fmadd_ps(wo, xo[q], _mm256_fmadd_ps(we, xe[q], acc[r][q]));
+    }
+  };
+  const int64_t n = j.cols;
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) step(x, w, c);
+  if (c < n) {
+    alignas(32) uint16_t xt[M][16] = {}, wt[R][16] = {};
+    const uint16_t* xp[M];
+    const uint16_t* wp[R];
+    const size_t bytes = static_cast<size_t>(n - c) * 2;
+    for (int q = 0; q < M; ++q) {
+      std::memcpy(xt[q], x[q] + c, bytes);
+      xp[q] = xt[q];
+    }
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(wt[r], w[r] + c, bytes);
+      wp[r] = wt[r];
+    }
+    step(xp, wp, 0);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < M; ++q) j.y[(i + q) * j.y_stride + o + r] = f32_to_bf16(lanes_sum8(acc[r][q]));
+}
+
+// Rows [i, i + M) of x against w rows [o0, o1): blocks of R, then single rows.
+template <int M, int R>
+void matmul_rows(const SmallMatmulJob& j, int64_t i, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  for (; o + R <= o1; o += R) matmul_block<M, R>(j, i, o);
+  for (; o < o1; ++o) matmul_block<M, 1>(j, i, o);
+}
+
+// w rows [o0, o1) in tiles of kTile rows (16 KiB at h = 1024: they stay in L1 / L2 while every
+// pair of x rows passes over them).
+void small_matmul(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+  constexpr int64_t kTile = 8;
+  for (int64_t t = o0; t < o1; t += kTile) {
+    const int64_t t1 = std::min(o1, t + kTile);
+    int64_t i = 0;
+    for (; i + 2 <= j.m; i += 2) matmul_rows<2, 4>(j, i, t, t1);
+    if (i < j.m) matmul_rows<1, 8>(j, i, t, t1);
+  }
+}
+
 }  // namespace
 
 const KernelTable& kernels_avx2() {
-  static const KernelTable t = make_table<Avx2F32, Avx2F64, Avx2BF16, Avx2F16>();
+  static const KernelTable t = [] {
+    KernelTable k = make_table<Avx2F32, Avx2F64, Avx2BF16, Avx2F16>();
+    k.small_matmul = &small_matmul;
+    return k;
+  }();
   return t;
 }
 

@@ -5,6 +5,8 @@
 // Each build is called only when CPUID and XGETBV report the features it was compiled for.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "convert.h"
 #include "row_kernels.h"
 
@@ -212,7 +214,7 @@ void small_matmul_m(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
   for (; o < o1; ++o) small_matmul_block<M, 1>(j, o);
 }
 
-void small_matmul(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+void small_matmul_up_to_8(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
   switch (j.m) {
     case 1: return small_matmul_m<1>(j, o0, o1);
     case 2: return small_matmul_m<2>(j, o0, o1);
@@ -223,6 +225,23 @@ void small_matmul(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
     case 7: return small_matmul_m<7>(j, o0, o1);
     case 8: return small_matmul_m<8>(j, o0, o1);
     default: return;
+  }
+}
+
+// More than 8 rows of x: tiles of 16 w rows, each passed by chunks of 8 rows (the same
+// operations for every element as a call of those rows alone).
+void small_matmul(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+  if (j.m <= 8) return small_matmul_up_to_8(j, o0, o1);
+  constexpr int64_t kTile = 16;
+  for (int64_t t = o0; t < o1; t += kTile) {
+    const int64_t t1 = std::min(o1, t + kTile);
+    for (int64_t i = 0; i < j.m; i += 8) {
+      SmallMatmulJob part = j;
+      part.x += i * j.x_stride;
+      part.y += i * j.y_stride;
+      part.m = std::min<int64_t>(8, j.m - i);
+      small_matmul_up_to_8(part, t, t1);
+    }
   }
 }
 

@@ -1,8 +1,9 @@
-// small_matmul: y = x @ w.T in bfloat16 for a few rows of x, the products of an MoE expert at
-// decode sizes (a token or a few per expert), where a matrix product is bound by reading w once.
-// The AVX-512 kernel (kernels_avx512.cpp) reads each row of w once for all rows of x, in 64-byte
-// steps, and threads split the rows of w. Below that level nothing here runs (false): the caller
-// multiplies as before.
+// small_matmul: y = x @ w.T in bfloat16, the products of an MoE expert: at decode sizes (a token
+// or a few per expert) bound by reading w once, at prefill sizes by the float32 FMAs. The kernels
+// (kernels_avx2.cpp, kernels_avx512.cpp) read each row of w once for a few rows of x, in 32- or
+// 64-byte steps, and pass a tile of w rows with every row of x while it is in the cache; threads
+// split the rows of w. At the scalar level nothing here runs (false): the caller multiplies as
+// before.
 #include <algorithm>
 
 #include "dispatch.h"
@@ -15,7 +16,7 @@ namespace scatter_add {
 bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options) {
   cpu::check_small_matmul_args("small_matmul", y, x, w);
   const cpu::SmallMatmulFn fn = cpu::active_kernels().small_matmul;
-  if (fn == nullptr || x.rows > kSmallMatmulMaxRows) return false;
+  if (fn == nullptr) return false;
   if (y.rows == 0 || y.cols == 0) return true;
   const cpu::SmallMatmulJob job{static_cast<uint16_t*>(y.data), y.row_stride,
                                 static_cast<const uint16_t*>(x.data), x.row_stride,

@@ -146,13 +146,13 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
                  const WeightVector& weight = {}, const Options& options = {});
 
 // y = x @ w.T for bfloat16 x [m, h], w [o, h] (an expert's weight as transformers stores it) and
-// y [m, o]: each element the float32 sum of its h products (exact in float32; summed in 16
-// lanes, then the lanes in a fixed order), rounded once. Threads split the rows of w, so the bits
-// do not depend on the thread count. Made for an MoE expert's products at decode sizes, which
-// read w once for every row of x. Returns false, writing nothing, when no kernel serves the call
-// (CPUs below the avx512 level, or m > kSmallMatmulMaxRows); throws Error on a dtype, shape or
-// overlap problem.
-constexpr int64_t kSmallMatmulMaxRows = 8;
+// y [m, o]: each element the float32 sum of its h products (exact in float32; summed in 8 or 16
+// lanes, then the lanes in a fixed order), rounded once. Made for an MoE expert's products: each
+// row of w is read once for a few rows of x, and a tile of w rows is passed by every row of x
+// while it is in the cache. Threads split the rows of w, and each element is summed by the same
+// operations whatever the number of rows, so the bits depend on neither (they do depend on the
+// ISA level: 8 lanes at avx2, 16 from avx512). Returns false, writing nothing, when no kernel
+// serves the call (the scalar level); throws Error on a dtype, shape or overlap problem.
 bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options = {});
 
 // True when two row-major views may share an element: exact for views with the same row stride

@@ -1,11 +1,16 @@
-"""ops.small_matmul (y = x @ w.T in bf16 for a few rows of x, the MoE experts' products at
-decode sizes): accuracy against float64 next to torch.mm's, the same bits on 1 and 2 threads,
-the calls it declines, errors that name the argument and leave y untouched, fake tensors, and
-its use by the MoE experts loop."""
+"""ops.small_matmul (y = x @ w.T in bf16, the MoE experts' products): accuracy against float64
+next to torch.mm's, the same bits on 1 and 2 threads and for any number of rows, the level it
+declines, errors that name the argument and leave y untouched, fake tensors, and its use by the
+MoE experts loop."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from conftest import ROOT
 
 
 def small(sa):
@@ -17,11 +22,11 @@ def served(sa):
     return bool(small(sa)(torch.empty_like(one), one, one))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 30])
 @pytest.mark.parametrize("o, h", [(1, 1), (7, 31), (33, 64), (70, 100), (300, 1030)])
 def test_matches_float64_as_torch_mm_does(sa, rows, o, h):
     if not served(sa):
-        pytest.skip("small_matmul has no kernel on this CPU (below AVX-512): the experts use torch.mm")
+        pytest.skip("small_matmul has no kernel on this CPU (below AVX2): the experts use torch.mm")
     g = torch.Generator().manual_seed(rows * 1000 + o + h)
     x = torch.randn(rows, h, generator=g).bfloat16()
     w = torch.randn(o, h, generator=g).bfloat16()
@@ -38,7 +43,7 @@ def test_matches_float64_as_torch_mm_does(sa, rows, o, h):
 
 def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa):
     if not served(sa):
-        pytest.skip("small_matmul has no kernel on this CPU (below AVX-512)")
+        pytest.skip("small_matmul has no kernel on this CPU (below AVX2)")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 600, generator=g).bfloat16()
     w = torch.randn(1000, 700, generator=g).bfloat16()[:, 50:650]  # rows 700 apart
@@ -58,12 +63,30 @@ def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa):
     assert torch.equal(padded[:, :1000], outs[0]) and not padded[:, 1000:].any()
 
 
-def test_declines_more_rows_leaving_y_untouched(sa):
-    x = torch.randn(9, 16).bfloat16()
-    w = torch.randn(5, 16).bfloat16()
-    out = torch.full((9, 5), 3.0, dtype=torch.bfloat16)
-    assert small(sa)(out, x, w) is False
-    assert torch.equal(out, torch.full((9, 5), 3.0, dtype=torch.bfloat16))
+def test_many_rows_have_the_bits_of_one_row_calls(sa):
+    if not served(sa):
+        pytest.skip("small_matmul has no kernel on this CPU (below AVX2)")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 300, generator=g).bfloat16()
+    w = torch.randn(90, 300, generator=g).bfloat16()
+    out = torch.empty(37, 90, dtype=torch.bfloat16)
+    assert small(sa)(out, x, w)
+    for i in range(37):
+        one = torch.empty(1, 90, dtype=torch.bfloat16)
+        assert small(sa)(one, x[i:i + 1], w)
+        assert torch.equal(one[0].view(torch.int16), out[i].view(torch.int16)), i
+
+
+def test_declines_the_scalar_level_leaving_y_untouched(sa):
+    code = ("import sys, torch\nsys.path.insert(0, 'tests/python')\nfrom conftest import ROOT, load_sa\nsa = load_sa()\n"
+            "x, w = torch.randn(9, 16).bfloat16(), torch.randn(5, 16).bfloat16()\n"
+            "out = torch.full((9, 5), 3.0, dtype=torch.bfloat16)\n"
+            "assert sa.ops.small_matmul.default(out, x, w) is False\n"
+            "assert torch.equal(out, torch.full((9, 5), 3.0, dtype=torch.bfloat16))\n"
+            "print('ok')\n")
+    env = dict(os.environ, SCATTER_ADD_CPU_ISA="scalar")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -125,12 +148,15 @@ def test_moe_probe_under_a_fake_mode_is_not_kept(sa, monkeypatch):
     assert moe._small_kernel == here
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn_bf16", "reference_bf16"])
 @pytest.mark.parametrize("rows", [[1, 0, 2, 1], [3, 4, 1, 2], [9, 1, 12, 20]])
-def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows):
+def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, onednn):
     """The MoE experts loop (no grad, bf16, without AMX) multiplies blocks of at most four rows
-    with small_matmul and the rest as before; every block equals its own product."""
+    with small_matmul where torch multiplies bf16 by oneDNN, every block where it does not; the
+    rest as before. Every block equals its own product."""
     moe = sa.moe
     monkeypatch.setattr(moe, "_AMX", False)
+    monkeypatch.setattr(moe, "_ONEDNN_BF16", onednn)
     monkeypatch.setattr(moe, "_small_kernel", served(sa))  # probed here, not counted below
     g = torch.Generator().manual_seed(5)
     e_count, hidden, inter = 4, 64, 40
@@ -155,7 +181,9 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows):
     monkeypatch.setattr(moe, "ops", Counting)
     with torch.no_grad():
         ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
-    small_blocks = sum(1 for r in rows if 0 < r <= moe._SMALL_ROWS)
+    limit = moe._small_rows()
+    assert limit == (moe._SMALL_ROWS if onednn else 1 << 62)
+    small_blocks = sum(1 for r in rows if 0 < r <= limit)
     looped = served(sa) and 2 * small_blocks >= sum(1 for r in rows if r > 0)
     assert calls["n"] == (2 * small_blocks if looped else 0)
     start = 0
@@ -163,7 +191,7 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows):
         x = xs[start:end]
         if end == start:
             continue
-        if looped and end - start <= moe._SMALL_ROWS:
+        if looped and end - start <= limit:
             h = torch.empty(end - start, 2 * inter, dtype=torch.bfloat16)
             assert real.small_matmul.default(h, x, w_in[e])
             want = torch.empty(end - start, hidden, dtype=torch.bfloat16)

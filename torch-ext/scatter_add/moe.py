@@ -36,8 +36,9 @@ bitwise the same across thread counts: oneDNN (bf16) and MKL (fp32/fp64) split t
 some shapes over threads (e.g. a down projection of 45-128 rows at hidden 1024, intermediate
 3584 differs in the last bit between 1 and 2 threads), for every experts implementation alike.
 Where the products are reproducible, so is the layer. Without AMX, an expert's bfloat16
-products over blocks of at most four rows (decode) take this library's own product
-(`ops.small_matmul`, float32 sums, the same bits on every thread count) instead: see _small_ok.
+products take this library's own product (`ops.small_matmul`, float32 sums, the same bits on
+every thread count) instead: over blocks of at most four rows (decode) where torch multiplies
+bf16 by oneDNN, over every block where it does not (AVX2 CPUs): see _small_ok and _small_rows.
 """
 from typing import List, Optional
 
@@ -84,6 +85,28 @@ _SMALL_ROWS = 4
 _small_kernel = None  # whether small_matmul runs on this CPU: probed on first use
 
 
+def _onednn_bf16() -> bool:
+    """Whether torch multiplies bfloat16 on this CPU by oneDNN (AVX-512 with BW/VL/DQ, or AMX).
+    Elsewhere (AVX2 CPUs) torch's bf16 product is its own reference loop: on an EPYC without
+    AVX-512, two threads, 18 GFLOPS at every shape tried (x [128, 1024] @ w.T [1024, 7168]: 104
+    ms; float32 there 27 ms), for eager, grouped_mm and batched_mm alike. There every bf16 block
+    takes small_matmul, whatever its rows (see _small_rows)."""
+    f = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(f()) if f is not None else True
+    except Exception:
+        return True
+
+
+_ONEDNN_BF16 = _AMX or _onednn_bf16()
+
+
+def _small_rows() -> int:
+    """The most rows of a block that take small_matmul (where _small_ok): _SMALL_ROWS where torch
+    multiplies bf16 by oneDNN, every block elsewhere."""
+    return _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
+
+
 def _small_ok(x, weight, bias, transposed) -> bool:
     """Whether the products of x's block take small_matmul (bf16 CPU, [E, out, in] weights)."""
     global _small_kernel
@@ -101,7 +124,8 @@ def _small_ok(x, weight, bias, transposed) -> bool:
 def _mostly_small(group, x, weight, bias, transposed) -> bool:
     """Whether at least half of a gate group's blocks take small_matmul: the group then stays in
     the loop (_experts_loop), whose _linear multiplies those blocks with it."""
-    small = sum(stop - start <= _SMALL_ROWS for _, start, stop in group)
+    limit = _small_rows()
+    small = sum(stop - start <= limit for _, start, stop in group)
     return 2 * small >= len(group) and _small_ok(x, weight, bias, transposed)
 
 
@@ -131,10 +155,10 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     2.09 at one row, 0.73 / 2.15 at 2 rows, 1.17 / 2.21 at 8, 2.03 / 1.79 at 32, 5.43 / 6.26 at
     128; Qwen3-MoE's up 0.09 / 0.09 / 0.19 at one row, 0.09 / 0.20 at 2, 0.11 / 0.20 at 8. So
     there (and off the CPU) only the plain form runs, except for bf16 blocks of at most
-    _SMALL_ROWS rows, which take this library's small_matmul (see _small_ok)."""
+    _small_rows() rows, which take this library's small_matmul (see _small_ok)."""
     w = weight[e]
     amx = _AMX and x.device.type == "cpu"
-    if swap and 0 < x.shape[0] <= _SMALL_ROWS and x.stride(-1) == 1 and _small_ok(x, weight, bias, transposed):
+    if swap and 0 < x.shape[0] <= _small_rows() and x.stride(-1) == 1 and _small_ok(x, weight, bias, transposed):
         y = x.new_empty(x.shape[0], w.shape[0]) if out is None else out
         if ops.small_matmul.default(y, x, w):
             return y
@@ -244,8 +268,8 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     wrote pre-activations far larger than the caches into fresh memory (Mixtral block, 8192
     tokens: 235 MB, 0.76x of eager). A group of small blocks takes torch's grouped product
     (_grouped_swapped, or _grouped_plain without AMX) where it can; without AMX a bf16 group
-    whose blocks are mostly of at most _SMALL_ROWS rows stays in the loop, where those blocks
-    take small_matmul (_linear).
+    whose blocks are mostly of at most _small_rows() rows (every block on AVX2 CPUs) stays in
+    the loop, where those blocks take small_matmul (_linear).
 
     Gathering group by group keeps the dispatched rows to a group's (a few MiB, which the
     allocator hands back on the next group) where one gather of every pair wrote top_k rows per
