@@ -509,10 +509,13 @@ struct Cpu {
   }
 };
 
-// y = x @ w.T for bfloat16 CPU matrices (an MoE expert's products, see sa::small_matmul); false, with y untouched, where the core has no kernel for the
-// call (the caller multiplies with torch). y, x and w: 2-D, rows with unit column stride.
+// y = x @ w.T (small_matmul) or x @ w (small_matmul_nn) for bfloat16 CPU matrices (an MoE
+// expert's products, see sa::small_matmul); false, with y untouched, where the core has no
+// kernel for the call (the caller multiplies with torch). y, x and w: 2-D, rows with unit
+// column stride.
+template <bool NN>
 bool small_matmul_op(const Tensor& y, const Tensor& x, const Tensor& w) {
-  const char* op = "small_matmul";
+  const char* op = NN ? "small_matmul_nn" : "small_matmul";
   const Info oi(defined(op, "y", y)), xi(defined(op, "x", x)), wi(defined(op, "w", w));
   const std::pair<const char*, const Info*> args[] = {{"y", &oi}, {"x", &xi}, {"w", &wi}};
   for (const auto& [name, i] : args) {
@@ -522,7 +525,9 @@ bool small_matmul_op(const Tensor& y, const Tensor& x, const Tensor& w) {
     if (!unit_columns(*i)) fail(Kind::value, op, name, " must have contiguous rows, got strides (", i->stride[0], ", ", i->stride[1], ")");
   }
   bool ran = false;
-  call_core(op, [&] { ran = sa::small_matmul(matrix_of(oi), matrix_of(xi), matrix_of(wi), Cpu::options(std::nullopt)); });
+  call_core(op, [&] {
+    ran = (NN ? sa::small_matmul_nn : sa::small_matmul)(matrix_of(oi), matrix_of(xi), matrix_of(wi), Cpu::options(std::nullopt));
+  });
   return ran;
 }
 
@@ -594,6 +599,7 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // y = x @ w.T, bf16, a few rows of x, CPU (the MoE experts' products at decode sizes); returns
   // whether it ran. Nothing registered above the backend: callers use it only with nothing to record.
   m.def("small_matmul(Tensor(a!) y, Tensor x, Tensor w) -> bool");
+  m.def("small_matmul_nn(Tensor(a!) y, Tensor x, Tensor w) -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -604,7 +610,8 @@ STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("scatter_add_plain_", TORCH_BOX(&scatter_add_torch::scatter_add_op<B>));
   m.impl("index_add_plain", TORCH_BOX(&scatter_add_torch::index_add_op<B>));
   m.impl("gather_plain", TORCH_BOX(&scatter_add_torch::gather_op<B>));
-  m.impl("small_matmul", TORCH_BOX(&scatter_add_torch::small_matmul_op));
+  m.impl("small_matmul", TORCH_BOX(&scatter_add_torch::small_matmul_op<false>));
+  m.impl("small_matmul_nn", TORCH_BOX(&scatter_add_torch::small_matmul_op<true>));
 }
 
 #if defined(SA_WITH_CUDA)

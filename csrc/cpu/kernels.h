@@ -91,8 +91,12 @@ struct SmallMatmulJob {
   const uint16_t* w;
   int64_t w_stride;
   int64_t m, cols;
+  const float* xf;  // small_matmul_nn: x widened to float32, rows of `cols`
 };
 using SmallMatmulFn = void (*)(const SmallMatmulJob& job, int64_t o0, int64_t o1);
+// small_matmul_nn: y[i][o] = round(sum over c of x[i][c] * w[c][o]) for columns [o0, o1), each
+// sum one FMA per c in increasing order (AVX2, for every level from it: kernels_avx2.cpp).
+void small_matmul_nn_avx2(const SmallMatmulJob& job, int64_t o0, int64_t o1);
 
 struct KernelTable {
   AddRowsFn rows[4][2];          // [DType][weighted]
@@ -102,7 +106,8 @@ struct KernelTable {
   ScratchFn scratch_copy[4];     // bf16/f16 only
   GatherFn gather[4][2][2];      // [DType][weighted][index is int64]
   ScaleRowFn scale[4];           // [DType]
-  SmallMatmulFn small_matmul;    // AVX-512 levels only; null elsewhere
+  SmallMatmulFn small_matmul;    // from the AVX2 level; null at the scalar one
+  SmallMatmulFn small_matmul_nn;  // the same
 };
 
 const KernelTable& kernels_scalar();

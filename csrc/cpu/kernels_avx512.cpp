@@ -255,6 +255,7 @@ const KernelTable& kernels_avx512() {
   static const KernelTable t = [] {
     KernelTable k = make_table<Avx512F32, Avx512F64, Avx512BF16, Avx512F16>();
     k.small_matmul = &small_matmul;
+    k.small_matmul_nn = &small_matmul_nn_avx2;
     return k;
   }();
   return t;

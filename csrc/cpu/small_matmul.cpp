@@ -5,13 +5,31 @@
 // split the rows of w. At the scalar level nothing here runs (false): the caller multiplies as
 // before.
 #include <algorithm>
+#include <vector>
 
+#include "convert.h"
 #include "dispatch.h"
 #include "strategy.h"
 #include "parallel.h"
 #include "validate.h"
 
 namespace scatter_add {
+
+namespace {
+
+// Threads take shares of 32 columns of y (a 64-byte line where its rows start on one), so that
+// they write the same line only where they do not.
+template <class Run>
+void by_column_lines(const Options& options, int64_t o, double bytes, Run run) {
+  const int nt = cpu::threads_for(options, bytes);
+  cpu::parallel_run(nt, [&](int t, int n) {
+    const int64_t lines = (o + 31) / 32;
+    const int64_t o0 = std::min(o, lines * t / n * 32), o1 = std::min(o, lines * (t + 1) / n * 32);
+    if (o0 < o1) run(o0, o1);
+  });
+}
+
+}  // namespace
 
 bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options) {
   cpu::check_small_matmul_args("small_matmul", y, x, w);
@@ -20,16 +38,30 @@ bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, c
   if (y.rows == 0 || y.cols == 0) return true;
   const cpu::SmallMatmulJob job{static_cast<uint16_t*>(y.data), y.row_stride,
                                 static_cast<const uint16_t*>(x.data), x.row_stride,
-                                static_cast<const uint16_t*>(w.data), w.row_stride, x.rows, x.cols};
-  const int64_t o = w.rows;
-  const int nt = cpu::threads_for(options, static_cast<double>(o) * static_cast<double>(w.cols) * 2.0);
-  cpu::parallel_run(nt, [&](int t, int n) {
-    // Shares of 32 columns (a 64-byte line of y where its rows start on one), so that threads
-    // write the same line only where they do not.
-    const int64_t lines = (o + 31) / 32;
-    const int64_t o0 = std::min(o, lines * t / n * 32), o1 = std::min(o, lines * (t + 1) / n * 32);
-    if (o0 < o1) fn(job, o0, o1);
-  });
+                                static_cast<const uint16_t*>(w.data), w.row_stride, x.rows, x.cols, nullptr};
+  by_column_lines(options, w.rows, static_cast<double>(w.rows) * static_cast<double>(w.cols) * 2.0,
+                  [&](int64_t o0, int64_t o1) { fn(job, o0, o1); });
+  return true;
+}
+
+bool small_matmul_nn(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options) {
+  cpu::check_small_matmul_args("small_matmul_nn", y, x, w, true);
+  const cpu::SmallMatmulFn fn = cpu::active_kernels().small_matmul_nn;
+  if (fn == nullptr) return false;
+  if (y.rows == 0 || y.cols == 0) return true;
+  // x widened once to float32 (m * h, a small share of the m * h * o products), for the
+  // kernel's broadcasts
+  const int64_t m = x.rows, h = x.cols;
+  std::vector<float> xf(static_cast<size_t>(m * h));
+  const uint16_t* xb = static_cast<const uint16_t*>(x.data);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < h; ++c) xf[static_cast<size_t>(i * h + c)] = cpu::bf16_to_f32(xb[i * x.row_stride + c]);
+  const cpu::SmallMatmulJob job{static_cast<uint16_t*>(y.data), y.row_stride, nullptr, x.row_stride,
+                                static_cast<const uint16_t*>(w.data), w.row_stride, m, h, xf.data()};
+  by_column_lines(options, w.cols,
+                  static_cast<double>(w.rows) * static_cast<double>(w.cols) * 2.0 +
+                      static_cast<double>(m) * static_cast<double>(w.cols) * 2.0,
+                  [&](int64_t o0, int64_t o1) { fn(job, o0, o1); });
   return true;
 }
 

@@ -380,7 +380,7 @@ void check_gather_args(const char* op, const Matrix& dst, const ConstMatrix& x,
                          weight.size * static_cast<int64_t>(dtype_size(weight.dtype)), "weight", "dst");
 }
 
-void check_small_matmul_args(const char* op, const Matrix& y, const ConstMatrix& x, const ConstMatrix& w) {
+void check_small_matmul_args(const char* op, const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, bool nn) {
   check_view(op, "y", y.data, y.rows, y.cols, y.row_stride, y.dtype, true);
   check_view(op, "x", x.data, x.rows, x.cols, x.row_stride, x.dtype, false);
   check_view(op, "w", w.data, w.rows, w.cols, w.row_stride, w.dtype, false);
@@ -388,12 +388,21 @@ void check_small_matmul_args(const char* op, const Matrix& y, const ConstMatrix&
   for (const auto& [name, t] : dtypes)
     if (t != DType::bf16)
       fail(op, Error::Kind::value, std::string(name) + " dtype is " + dtype_name(t) + ", not bf16");
-  if (x.cols != w.cols)
-    fail(op, Error::Kind::value,
-         "x has " + std::to_string(x.cols) + " columns but w has " + std::to_string(w.cols));
-  if (y.rows != x.rows || y.cols != w.rows)
-    fail(op, Error::Kind::value,
-         "y has shape " + shape_str(y.rows, y.cols) + " but x @ w.T has shape " + shape_str(x.rows, w.rows));
+  if (nn) {
+    if (x.cols != w.rows)
+      fail(op, Error::Kind::value,
+           "x has " + std::to_string(x.cols) + " columns but w has " + std::to_string(w.rows) + " rows");
+    if (y.rows != x.rows || y.cols != w.cols)
+      fail(op, Error::Kind::value,
+           "y has shape " + shape_str(y.rows, y.cols) + " but x @ w has shape " + shape_str(x.rows, w.cols));
+  } else {
+    if (x.cols != w.cols)
+      fail(op, Error::Kind::value,
+           "x has " + std::to_string(x.cols) + " columns but w has " + std::to_string(w.cols));
+    if (y.rows != x.rows || y.cols != w.rows)
+      fail(op, Error::Kind::value,
+           "y has shape " + shape_str(y.rows, y.cols) + " but x @ w.T has shape " + shape_str(x.rows, w.rows));
+  }
   const ByteView o = bytes_of(y.data, y.rows, y.cols, y.row_stride, 2);
   if (may_overlap(o, bytes_of(x.data, x.rows, x.cols, x.row_stride, 2))) fail(op, Error::Kind::value, "x memory overlaps y");
   if (may_overlap(o, bytes_of(w.data, w.rows, w.cols, w.row_stride, 2))) fail(op, Error::Kind::value, "w memory overlaps y");

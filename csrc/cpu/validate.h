@@ -23,7 +23,9 @@ void check_add_args(const char* op, const Matrix& out, const ConstMatrix& src,
 void check_gather_args(const char* op, const Matrix& dst, const ConstMatrix& x,
                        const WeightVector& weight, const void* index_data, size_t index_bytes);
 // The same for small_matmul: bf16 views y [m, o], x [m, h], w [o, h], y overlapping neither.
-void check_small_matmul_args(const char* op, const Matrix& y, const ConstMatrix& x, const ConstMatrix& w);
+// nn: y = x @ w with w [h, o] (small_matmul_nn) rather than x @ w.T with w [o, h].
+void check_small_matmul_args(const char* op, const Matrix& y, const ConstMatrix& x, const ConstMatrix& w,
+                             bool nn = false);
 // The index vector itself (type, length against the [K, D] operand, null data).
 void check_index(const char* op, const IndexVector& index, int64_t k_expected, const char* rows_of);
 // A plan must match the [N, D] operand's rows, the [K, D] operand's rows and ignore_index.

@@ -155,6 +155,14 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
 // serves the call (the scalar level); throws Error on a dtype, shape or overlap problem.
 bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options = {});
 
+// y = x @ w for bfloat16 x [m, h], w [h, o] and y [m, o] (the products of an expert's backward:
+// g @ W_e for the input's gradient, g.T @ x for the weight's, with x.T / g.T copied by the
+// caller): each element the float32 sum of its h products, one FMA per product in increasing
+// order of h, rounded once; the same bits on every thread count, row count and ISA level.
+// Returns false, writing nothing, at the scalar level; throws Error as small_matmul does ("x has
+// 16 columns but w has 15 rows", "y has shape [2, 4] but x @ w has shape [2, 5]").
+bool small_matmul_nn(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options = {});
+
 // True when two row-major views may share an element: exact for views with the same row stride
 // and rows no longer than it (e.g. two column slices of one matrix) and for single-row views,
 // conservative (true when their byte ranges meet) otherwise. A 1-D buffer is a one-row view.

@@ -163,4 +163,102 @@ TEST(SmallMatmul, BadInputNamesTheArgumentAndLeavesYUntouched) {
   expect_error("y row stride 5 is smaller", [&] { sa::small_matmul({t.y.data(), 2, 10, 5, DType::bf16}, t.xm(), t.wm()); }, t.y, before);
 }
 
+// small_matmul_nn: y = x @ w with w [h, o].
+struct MmNN {
+  int64_t m, o, h, xs, ws, ys;
+  Buf x, w, y;
+  MmNN(int64_t m_, int64_t o_, int64_t h_, int64_t pad, std::mt19937_64& rng)
+      : m(m_), o(o_), h(h_), xs(h_ + pad), ws(o_ + 2 * pad), ys(o_ + pad),
+        x(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * xs, 1)), rng)),
+        w(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(h * ws, 1)), rng)),
+        y(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * ys, 1)), rng)) {}
+  sa::Matrix ym() { return {y.data(), m, o, ys, DType::bf16}; }
+  sa::ConstMatrix xm() const { return {x.data(), m, h, xs, DType::bf16}; }
+  sa::ConstMatrix wm() const { return {w.data(), h, o, ws, DType::bf16}; }
+  bool run(int threads) {
+    sa::Options opt;
+    opt.num_threads = threads;
+    return sa::small_matmul_nn(ym(), xm(), wm(), opt);
+  }
+};
+
+TEST(SmallMatmulNN, MatchesFloat64WithinOneRounding) {
+  std::mt19937_64 rng(17);
+  for (int64_t m : {1, 2, 5, 6, 7, 13})
+    for (int64_t h : {0, 1, 3, 64, 300})
+      for (int64_t o : {1, 15, 16, 17, 40, 70}) {
+        MmNN t(m, o, h, (m + o) % 3 == 0 ? 0 : 5, rng);
+        const Buf before = t.y;
+        const bool ran = t.run(2);
+        ASSERT_EQ(ran, served());
+        if (!ran) {
+          ASSERT_EQ(t.y.bytes, before.bytes);
+          continue;
+        }
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t r = 0; r < t.ys; ++r) {
+            const size_t at = static_cast<size_t>(i * t.ys + r);
+            if (r >= o) {
+              ASSERT_EQ(t.y.get(at), before.get(at)) << "m=" << m << " o=" << o << " h=" << h;
+              continue;
+            }
+            double ref = 0, mag = 0;
+            for (int64_t c = 0; c < h; ++c) {
+              const double p = t.x.get(static_cast<size_t>(i * t.xs + c)) * t.w.get(static_cast<size_t>(c * t.ws + r));
+              ref += p;
+              mag += std::fabs(p);
+            }
+            const double bound = static_cast<double>(h + 1) * std::ldexp(mag, -24) + std::ldexp(std::fabs(ref), -8) + 1e-30;
+            ASSERT_LE(std::fabs(t.y.get(at) - ref), bound)
+                << "m=" << m << " o=" << o << " h=" << h << " row " << i << " col " << r;
+          }
+      }
+}
+
+// Each element is its products' FMA chain in order of h: the same bits on any thread count and
+// for its row alone, and the float32 sum done the same way in scalar code.
+TEST(SmallMatmulNN, BitsOfTheOrderedFmaChain) {
+  if (!served()) GTEST_SKIP() << "no small_matmul_nn kernel at the scalar level";
+  std::mt19937_64 rng(19);
+  for (int64_t m : {1, 7, 20})
+    for (int64_t o : {33, 100, 500}) {
+      MmNN t(m, o, 90, 2, rng);
+      ASSERT_TRUE(t.run(1));
+      const Buf one = t.y;
+      for (int threads : {2, 3}) {
+        ASSERT_TRUE(t.run(threads));
+        ASSERT_EQ(t.y.bytes, one.bytes) << "m=" << m << " o=" << o << " threads=" << threads;
+      }
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t r = 0; r < o; ++r) {
+          float acc = 0;
+          for (int64_t c = 0; c < t.h; ++c)
+            acc = std::fma(static_cast<float>(t.x.get(static_cast<size_t>(i * t.xs + c))),
+                           static_cast<float>(t.w.get(static_cast<size_t>(c * t.ws + r))), acc);
+          Buf want = random_buf(DType::bf16, 1, rng);
+          want.set(0, acc);
+          ASSERT_EQ(t.y.get(static_cast<size_t>(i * t.ys + r)), want.get(0)) << "m=" << m << " row " << i << " col " << r;
+        }
+    }
+}
+
+TEST(SmallMatmulNN, BadInputNamesTheArgumentAndLeavesYUntouched) {
+  std::mt19937_64 rng(23);
+  MmNN t(2, 10, 20, 0, rng);
+  const Buf before = t.y;
+  auto expect_error = [&](const char* what, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << "no error for " << what;
+    } catch (const sa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      EXPECT_EQ(e.kind(), sa::Error::Kind::value);
+    }
+    EXPECT_EQ(t.y.bytes, before.bytes) << what;
+  };
+  expect_error("x has 20 columns but w has 19 rows", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.w.data(), 19, 10, 10, DType::bf16}); });
+  expect_error("y has shape [2, 10] but x @ w has shape [2, 9]", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.w.data(), 20, 9, 10, DType::bf16}); });
+  expect_error("w memory overlaps y", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.y.data(), 20, 10, 10, DType::bf16}); });
+}
+
 }  // namespace

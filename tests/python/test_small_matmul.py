@@ -89,6 +89,48 @@ def test_declines_the_scalar_level_leaving_y_untouched(sa):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("rows", [1, 6, 7, 40])
+@pytest.mark.parametrize("h, o", [(1, 1), (31, 7), (64, 33), (300, 100)])
+def test_nn_matches_float64_and_threads(sa, rows, h, o):
+    """small_matmul_nn: y = x @ w for w [h, o], within the float32 sum bound and one bf16 rounding
+    of float64, no worse than torch.mm, and the same bits on 1 and 2 threads."""
+    if not served(sa):
+        pytest.skip("small_matmul_nn has no kernel on this CPU (below AVX2)")
+    g = torch.Generator().manual_seed(rows * 100 + h + o)
+    x = torch.randn(rows, h, generator=g).bfloat16()
+    w = torch.randn(h, o, generator=g).bfloat16()
+    nn = sa.ops.small_matmul_nn.default
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.full((rows, o), 7.0, dtype=torch.bfloat16)
+            assert nn(out, x, w)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    out = outs[0]
+    ref = x.double() @ w.double()
+    mag = x.double().abs() @ w.double().abs()
+    bound = (h + 1) * 2.0 ** -24 * mag + 2.0 ** -8 * ref.abs()
+    assert ((out.double() - ref).abs() <= bound).all()
+    theirs = (torch.mm(x, w).double() - ref).abs().max()
+    assert (out.double() - ref).abs().max() <= theirs + 2.0 ** -8 * ref.abs().max()
+
+
+def test_nn_bad_shapes_name_the_argument(sa):
+    nn = sa.ops.small_matmul_nn.default
+    x, w = torch.randn(2, 16).bfloat16(), torch.randn(15, 5).bfloat16()
+    out = torch.full((2, 5), 3.0, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=re.escape("ValueError: small_matmul_nn: x has 16 columns but w has 15 rows")):
+        nn(out, x, w)
+    with pytest.raises(RuntimeError, match=re.escape("ValueError: small_matmul_nn: y has shape [2, 5] but x @ w has shape [2, 4]")):
+        nn(out, x, torch.randn(16, 4).bfloat16())
+    assert torch.equal(out, torch.full((2, 5), 3.0, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("bad, message", [
     ("x_float", "x must be BFloat16, got Float"),
     ("y_float", "y must be BFloat16, got Float"),

@@ -34,6 +34,7 @@ def small_matmul_fake(y, x, w):
 
 
 torch.library.register_fake(add_op_namespace_prefix("small_matmul"), small_matmul_fake)
+torch.library.register_fake(add_op_namespace_prefix("small_matmul_nn"), small_matmul_fake)
 for _suffix in ("", "_plain"):  # the ops, and their plain twins (see _api.py)
     torch.library.register_fake(add_op_namespace_prefix("scatter_add" + _suffix + "_"), scatter_add_fake)
     torch.library.register_fake(add_op_namespace_prefix("index_add" + _suffix), index_add_fake)

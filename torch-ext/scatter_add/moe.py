@@ -25,7 +25,9 @@ transposed [E, in, out] with biases and interleaved gate/up columns.
 Autograd: in eager mode the experts are one autograd function. Its forward takes the products of
 the inference loop and keeps the pre-activations; its backward runs the same blocks (gradients of
 every weight, bias, input and routing weight; the gate's derivative is taken by autograd over all
-rows at once), by torch's grouped products where they apply without AMX, else block by block.
+rows at once), by torch's grouped products where they apply without AMX, else block by block;
+in bf16 where torch has no oneDNN bf16 product (AVX2 CPUs), block by block with this library's
+small_matmul / small_matmul_nn (see _own_backward).
 Under torch.compile the products are two opaque grouped ops
 and the gate is traced, so a block compiles to one graph. transformers is imported only by
 `register`.
@@ -109,10 +111,26 @@ def _small_rows() -> int:
 
 def _small_ok(x, weight, bias, transposed) -> bool:
     """Whether the products of x's block take small_matmul (bf16 CPU, [E, out, in] weights)."""
-    global _small_kernel
     if (_AMX or bias is not None or transposed or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or x.device.type != "cpu" or weight.stride(-1) != 1):
         return False
+    return _kernel_here()
+
+
+def _own_backward(g, weight) -> bool:
+    """Whether a block's backward products (g @ W_e, g.T @ x and their transposed-layout forms)
+    take this library's small_matmul / small_matmul_nn: bf16 on a CPU where torch has no oneDNN
+    bf16 product. There torch's bf16 products with a transposed operand are slower still than
+    its plain ones: g [128, 1024] @ W [1024, 3584] 989 ms (0.95 GFLOPS), g.T @ a 123 ms, two
+    threads, an EPYC without AVX-512; a Mixtral block's backward at 64 tokens took 5.1 s, all but
+    40 ms of it in those products, for every experts implementation alike."""
+    return (not _ONEDNN_BF16 and g.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and g.device.type == "cpu" and weight.stride(-1) == 1 and _kernel_here())
+
+
+def _kernel_here() -> bool:
+    """Whether small_matmul runs on this CPU (probed once)."""
+    global _small_kernel
     if _small_kernel is None:
         if torch._C._len_torch_dispatch_stack():
             return False  # a fake or tracing mode: its answer says nothing about this CPU, so not kept
@@ -180,7 +198,13 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
 def _grad_input(g, weight, e, transposed, out=None):
     """dL/dx = g @ W_e.T for y = x @ W_e. For transposed [E, in, out] weights as (W_e @ g.T).T (the
     weight as the left operand, as it lies); for [E, out, in] weights W_e is already the right
-    operand in row-major order."""
+    operand in row-major order. Where _own_backward: small_matmul (transposed) or small_matmul_nn,
+    the weight read as it lies."""
+    if _own_backward(g, weight) and (out is None or out.stride(-1) == 1):
+        g = g.contiguous()
+        y = g.new_empty(g.shape[0], weight.shape[1] if transposed else weight.shape[2]) if out is None else out
+        if (ops.small_matmul if transposed else ops.small_matmul_nn).default(y, g, weight[e]):
+            return y
     if transposed:
         y = torch.mm(weight[e], g.t()).t()
         return y if out is None else out.copy_(y)
@@ -194,6 +218,11 @@ def _linear_backward(g, x, weight, e, transposed, grad_x, grad_w, grad_b):
     makes the product about 1.5-2x faster here than reading it strided."""
     if grad_x is not None:
         _grad_input(g, weight, e, transposed, out=grad_x)
+    if grad_w is not None and _own_backward(g, weight) and grad_w.stride(-1) == 1:
+        # x.T @ g (transposed) or g.T @ x, the transposed operand copied: m rows
+        left, right = (x, g) if transposed else (g, x)
+        if ops.small_matmul_nn.default(grad_w[e], left.t().contiguous(), right.contiguous()):
+            grad_w = None
     if grad_w is not None:
         if transposed:
             torch.mm(x.t().contiguous(), g, out=grad_w[e])
@@ -415,7 +444,8 @@ class _Experts(torch.autograd.Function):
         ys = _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, hs=hs)
         ctx.save_for_backward(xs, offsets, w_in, w_out, hs)
         ctx.transposed, ctx.gate = transposed, gate
-        ctx.grouped = not _AMX and _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed)
+        ctx.grouped = (not _AMX and _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed)
+                       and not _own_backward(xs, w_in))
         return ys
 
     @staticmethod
