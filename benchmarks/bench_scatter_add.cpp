@@ -16,6 +16,10 @@
 //   .build/release/benchmarks/bench_scatter_add --calibrate [FILE.csv]    (measure; save)
 //   .build/release/benchmarks/bench_scatter_add --evaluate FILE.csv      (re-score the cost model)
 //   .build/release/benchmarks/bench_scatter_add --fit FILE.csv...         (search its constants)
+//   .build/release/benchmarks/bench_scatter_add --matmul [--threads T]  (small_matmul, _nn)
+// --matmul: the MoE experts' products at the sizes of bench_moe.py's blocks: an expert's forward
+// (x @ W.T, small_matmul) and its backward (g @ W and g.T @ x, small_matmul_nn) at 1 to 512 rows:
+// median ms and GFLOPS.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -372,13 +376,61 @@ void fit(const std::vector<const char*>& files) {
                 std::exp(log_regret(sets[i], best)));
 }
 
+void matmul_table(int threads) {
+  struct Shape {
+    const char* name;
+    int64_t out, in;
+  };
+  const Shape shapes[] = {{"mixtral up", 7168, 1024}, {"mixtral down", 1024, 3584},
+                          {"qwen3 up", 768, 1024}, {"qwen3 down", 1024, 384}};
+  std::printf("small_matmul, isa=%s threads=%d: median ms (GFLOPS); W [out, in] bf16, m rows\n",
+              sa::isa_name(sa::active_isa()), threads);
+  std::printf("%-13s %5s %5s %5s %18s %18s %18s\n", "weight", "out", "in", "m", "x @ W.T", "g @ W (nn)",
+              "g.T @ x (nn)");
+  std::mt19937 rng(1);
+  for (const Shape& sh : shapes)
+    for (int64_t m : {1, 4, 16, 128, 512}) {
+      auto bf16 = [&](size_t n) {
+        std::vector<uint16_t> v(n);
+        for (auto& e : v) e = static_cast<uint16_t>(0x3f00 + (rng() & 0xff));
+        return v;
+      };
+      const std::vector<uint16_t> w = bf16(static_cast<size_t>(sh.out * sh.in)), x = bf16(static_cast<size_t>(m * sh.in)),
+                                  g = bf16(static_cast<size_t>(m * sh.out)), gt = bf16(static_cast<size_t>(sh.out * m));
+      std::vector<uint16_t> y(static_cast<size_t>(m * sh.out)), gx(static_cast<size_t>(m * sh.in)),
+          gw(static_cast<size_t>(sh.out * sh.in));
+      const double flops = 2.0 * static_cast<double>(m * sh.out * sh.in);
+      bool ok = true;
+      const double fwd = median_seconds([&] {
+        ok &= sa::small_matmul({y.data(), m, sh.out, sh.out, sa::DType::bf16}, {x.data(), m, sh.in, sh.in, sa::DType::bf16},
+                               {w.data(), sh.out, sh.in, sh.in, sa::DType::bf16});
+      }, 0.2);
+      const double dx = median_seconds([&] {
+        ok &= sa::small_matmul_nn({gx.data(), m, sh.in, sh.in, sa::DType::bf16}, {g.data(), m, sh.out, sh.out, sa::DType::bf16},
+                                  {w.data(), sh.out, sh.in, sh.in, sa::DType::bf16});
+      }, 0.2);
+      const double dw = median_seconds([&] {
+        ok &= sa::small_matmul_nn({gw.data(), sh.out, sh.in, sh.in, sa::DType::bf16}, {gt.data(), sh.out, m, m, sa::DType::bf16},
+                                  {x.data(), m, sh.in, sh.in, sa::DType::bf16});
+      }, 0.2);
+      if (!ok) {
+        std::printf("no small_matmul kernel at isa=%s\n", sa::isa_name(sa::active_isa()));
+        return;
+      }
+      std::printf("%-13s %5lld %5lld %5lld %9.3f (%6.1f) %9.3f (%6.1f) %9.3f (%6.1f)\n", sh.name, (long long)sh.out,
+                  (long long)sh.in, (long long)m, fwd * 1e3, flops / fwd / 1e9, dx * 1e3, flops / dx / 1e9, dw * 1e3,
+                  flops / dw / 1e9);
+      std::fflush(stdout);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false;
   int threads = sa::get_num_threads();
   int64_t only_n = 0, only_d = 0;
-  bool thp = false, strategies = false;
+  bool thp = false, strategies = false, matmul = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--thp")) thp = true;
@@ -386,6 +438,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) only_n = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--d") && i + 1 < argc) only_d = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--strategies")) strategies = true;
+    if (!std::strcmp(argv[i], "--matmul")) matmul = true;
     if (!std::strcmp(argv[i], "--calibrate")) {
       calibrate(i + 1 < argc ? argv[i + 1] : nullptr);
       return 0;
@@ -402,6 +455,10 @@ int main(int argc, char** argv) {
   sa::set_num_threads(threads);
   if (strategies) {
     strategy_table(threads);
+    return 0;
+  }
+  if (matmul) {
+    matmul_table(threads);
     return 0;
   }
   StreamCeiling stream;

@@ -596,8 +596,9 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("index_add_plain(Tensor input, Tensor index, Tensor src, Tensor? weight=None, "
         "int? ignore_index=None) -> Tensor");
   m.def("gather_plain(Tensor input, Tensor index, Tensor? weight=None, int? ignore_index=None) -> Tensor");
-  // y = x @ w.T, bf16, a few rows of x, CPU (the MoE experts' products at decode sizes); returns
-  // whether it ran. Nothing registered above the backend: callers use it only with nothing to record.
+  // y = x @ w.T (small_matmul) and y = x @ w (small_matmul_nn), bf16, CPU (the MoE experts'
+  // products); each returns whether it ran. Nothing registered above the backend: callers use them
+  // only with nothing to record.
   m.def("small_matmul(Tensor(a!) y, Tensor x, Tensor w) -> bool");
   m.def("small_matmul_nn(Tensor(a!) y, Tensor x, Tensor w) -> bool");
 }

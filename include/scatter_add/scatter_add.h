@@ -146,8 +146,9 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
                  const WeightVector& weight = {}, const Options& options = {});
 
 // y = x @ w.T for bfloat16 x [m, h], w [o, h] (an expert's weight as transformers stores it) and
-// y [m, o]: each element the float32 sum of its h products (exact in float32; summed in 8 or 16
-// lanes, then the lanes in a fixed order), rounded once. Made for an MoE expert's products: each
+// y [m, o]: each element the float32 sum of its h products (each product of two bf16 values is
+// exact in float32 unless it overflows or underflows; summed in 8 or 16 lanes, then the lanes in a
+// fixed order), rounded once. Made for an MoE expert's products: each
 // row of w is read once for a few rows of x, and a tile of w rows is passed by every row of x
 // while it is in the cache. Threads split the rows of w, and each element is summed by the same
 // operations whatever the number of rows, so the bits depend on neither (they do depend on the

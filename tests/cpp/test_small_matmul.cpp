@@ -70,7 +70,7 @@ TEST(SmallMatmul, MatchesFloat64WithinOneRounding) {
 }
 
 TEST(SmallMatmul, SameBitsOnEveryThreadCount) {
-  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx512 (isa=" << sa::isa_name(sa::active_isa()) << ")";
+  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx2 (isa=" << sa::isa_name(sa::active_isa()) << ")";
   std::mt19937_64 rng(11);
   for (int64_t m : {1, 3, 8, 19})
     for (int64_t o : {31, 200, 1000}) {
@@ -85,7 +85,7 @@ TEST(SmallMatmul, SameBitsOnEveryThreadCount) {
 }
 
 TEST(SmallMatmul, SpecialValues) {
-  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx512";
+  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx2";
   std::mt19937_64 rng(3);
   Mm t(2, 40, 70, 0, rng);
   t.x.set(5, std::nan(""));                    // row 0: every result NaN

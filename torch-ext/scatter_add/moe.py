@@ -38,9 +38,10 @@ bitwise the same across thread counts: oneDNN (bf16) and MKL (fp32/fp64) split t
 some shapes over threads (e.g. a down projection of 45-128 rows at hidden 1024, intermediate
 3584 differs in the last bit between 1 and 2 threads), for every experts implementation alike.
 Where the products are reproducible, so is the layer. Without AMX, an expert's bfloat16
-products take this library's own product (`ops.small_matmul`, float32 sums, the same bits on
-every thread count) instead: over blocks of at most four rows (decode) where torch multiplies
-bf16 by oneDNN, over every block where it does not (AVX2 CPUs): see _small_ok and _small_rows.
+products take this library's own products (`ops.small_matmul` / `ops.small_matmul_nn`, float32
+sums, the same bits on every thread count) instead: over blocks of at most four rows (decode,
+[E, out, in] weights without bias) where torch multiplies bf16 by oneDNN, every product of every
+block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_products.
 """
 from typing import List, Optional
 
@@ -117,11 +118,11 @@ def _small_ok(x, weight, bias, transposed) -> bool:
     return _kernel_here()
 
 
-def _own_backward(g, weight) -> bool:
-    """Whether a block's backward products (g @ W_e, g.T @ x and their transposed-layout forms)
-    take this library's small_matmul / small_matmul_nn: bf16 on a CPU where torch has no oneDNN
-    bf16 product. There torch's bf16 products with a transposed operand are slower still than
-    its plain ones: g [128, 1024] @ W [1024, 3584] 989 ms (0.95 GFLOPS), g.T @ a 123 ms, two
+def _own_products(g, weight) -> bool:
+    """Whether every product of a block (forward x @ W_e with either weight layout and any bias,
+    backward g @ W_e, g.T @ x) takes this library's small_matmul / small_matmul_nn: bf16 on a CPU
+    where torch has no oneDNN bf16 product (see _onednn_bf16). There torch's bf16 products with
+    a transposed operand are slower still than its plain ones: g [128, 1024] @ W [1024, 3584] 989 ms (0.95 GFLOPS), g.T @ a 123 ms, two
     threads, an EPYC without AVX-512; a Mixtral block's backward at 64 tokens took 5.1 s, all but
     40 ms of it in those products, for every experts implementation alike."""
     return (not _ONEDNN_BF16 and g.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
@@ -176,6 +177,13 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     _small_rows() rows, which take this library's small_matmul (see _small_ok)."""
     w = weight[e]
     amx = _AMX and x.device.type == "cpu"
+    if (swap and x.shape[0] > 0 and x.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
+            and (transposed or bias is not None) and _own_products(x, weight)):
+        # GPT-OSS's transposed layout and biases, where torch has no oneDNN bf16: x @ W_e by
+        # small_matmul_nn (x @ W_e.T by small_matmul), then the bias added in bf16, as the eager loop does
+        y = x.new_empty(x.shape[0], _out_features(weight, transposed)) if out is None else out
+        if (ops.small_matmul_nn if transposed else ops.small_matmul).default(y, x, w):
+            return y if bias is None else y.add_(bias[e])
     if swap and 0 < x.shape[0] <= _small_rows() and x.stride(-1) == 1 and _small_ok(x, weight, bias, transposed):
         y = x.new_empty(x.shape[0], w.shape[0]) if out is None else out
         if ops.small_matmul.default(y, x, w):
@@ -200,7 +208,7 @@ def _grad_input(g, weight, e, transposed, out=None):
     weight as the left operand, as it lies); for [E, out, in] weights W_e is already the right
     operand in row-major order. Where _own_backward: small_matmul (transposed) or small_matmul_nn,
     the weight read as it lies."""
-    if _own_backward(g, weight) and (out is None or out.stride(-1) == 1):
+    if _own_products(g, weight) and (out is None or out.stride(-1) == 1):
         g = g.contiguous()
         y = g.new_empty(g.shape[0], weight.shape[1] if transposed else weight.shape[2]) if out is None else out
         if (ops.small_matmul if transposed else ops.small_matmul_nn).default(y, g, weight[e]):
@@ -218,7 +226,7 @@ def _linear_backward(g, x, weight, e, transposed, grad_x, grad_w, grad_b):
     makes the product about 1.5-2x faster here than reading it strided."""
     if grad_x is not None:
         _grad_input(g, weight, e, transposed, out=grad_x)
-    if grad_w is not None and _own_backward(g, weight) and grad_w.stride(-1) == 1:
+    if grad_w is not None and _own_products(g, weight) and grad_w.stride(-1) == 1:
         # x.T @ g (transposed) or g.T @ x, the transposed operand copied: m rows
         left, right = (x, g) if transposed else (g, x)
         if ops.small_matmul_nn.default(grad_w[e], left.t().contiguous(), right.contiguous()):
@@ -445,7 +453,7 @@ class _Experts(torch.autograd.Function):
         ctx.save_for_backward(xs, offsets, w_in, w_out, hs)
         ctx.transposed, ctx.gate = transposed, gate
         ctx.grouped = (not _AMX and _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed)
-                       and not _own_backward(xs, w_in))
+                       and not (_own_products(xs, w_in) and _own_products(xs, w_out)))
         return ys
 
     @staticmethod
