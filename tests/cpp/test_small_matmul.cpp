@@ -14,23 +14,41 @@
 
 namespace {
 
+// y [m, o] = x [m, h] @ w.T, w [o, h] (small_matmul), or, with nn, x @ w, w [h, o]
+// (small_matmul_nn); every view with `pad` elements past its rows (twice that for w).
 struct Mm {
   int64_t m, o, h, xs, ws, ys;
+  bool nn;
   Buf x, w, y;
-  Mm(int64_t m_, int64_t o_, int64_t h_, int64_t pad, std::mt19937_64& rng)
-      : m(m_), o(o_), h(h_), xs(h_ + pad), ws(h_ + 2 * pad), ys(o_ + pad),
+  Mm(int64_t m_, int64_t o_, int64_t h_, int64_t pad, std::mt19937_64& rng, bool nn_ = false)
+      : m(m_), o(o_), h(h_), xs(h_ + pad), ws((nn_ ? o_ : h_) + 2 * pad), ys(o_ + pad), nn(nn_),
         x(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * xs, 1)), rng)),
-        w(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(o * ws, 1)), rng)),
+        w(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>((nn_ ? h : o) * ws, 1)), rng)),
         y(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * ys, 1)), rng)) {}
   sa::Matrix ym() { return {y.data(), m, o, ys, DType::bf16}; }
   sa::ConstMatrix xm() const { return {x.data(), m, h, xs, DType::bf16}; }
-  sa::ConstMatrix wm() const { return {w.data(), o, h, ws, DType::bf16}; }
+  sa::ConstMatrix wm() const { return nn ? sa::ConstMatrix{w.data(), h, o, ws, DType::bf16} : sa::ConstMatrix{w.data(), o, h, ws, DType::bf16}; }
+  // w's element of column c of x's rows and column r of y's
+  double wat(int64_t c, int64_t r) const { return w.get(static_cast<size_t>(nn ? c * ws + r : r * ws + c)); }
   bool run(int threads) {
     sa::Options opt;
     opt.num_threads = threads;
-    return sa::small_matmul(ym(), xm(), wm(), opt);
+    return (nn ? sa::small_matmul_nn : sa::small_matmul)(ym(), xm(), wm(), opt);
   }
 };
+
+// call() throws Error of kind value naming `what`, and y is as it was.
+template <class Call>
+void expect_value_error(const char* what, Call&& call, const Buf& y, const Buf& before) {
+  try {
+    call();
+    ADD_FAILURE() << "no error for " << what;
+  } catch (const sa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    EXPECT_EQ(e.kind(), sa::Error::Kind::value);
+  }
+  EXPECT_EQ(y.bytes, before.bytes) << what;
+}
 
 bool served() { return sa::active_isa() >= sa::Isa::avx2; }
 
@@ -139,55 +157,26 @@ TEST(SmallMatmul, DeclinesTheScalarLevel) {
 
 TEST(SmallMatmul, BadInputNamesTheArgumentAndLeavesYUntouched) {
   std::mt19937_64 rng(9);
-  auto expect_error = [](const char* what, auto&& call, const Buf& y, const Buf& before) {
-    try {
-      call();
-      ADD_FAILURE() << "no error for " << what;
-    } catch (const sa::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-      EXPECT_EQ(e.kind(), sa::Error::Kind::value);
-    }
-    EXPECT_EQ(y.bytes, before.bytes) << what;
-  };
   Mm t(2, 10, 20, 0, rng);
   const Buf before = t.y;
   Buf xf = random_buf(DType::f32, 40, rng);
-  expect_error("x dtype is float32", [&] { sa::small_matmul(t.ym(), {xf.data(), 2, 20, 20, DType::f32}, t.wm()); }, t.y, before);
-  expect_error("x has 19 columns but w has 20", [&] { sa::small_matmul(t.ym(), {t.x.data(), 2, 19, 20, DType::bf16}, t.wm()); }, t.y, before);
-  expect_error("y has shape [2, 10] but x @ w.T has shape [2, 9]", [&] { sa::small_matmul(t.ym(), t.xm(), {t.w.data(), 9, 20, 20, DType::bf16}); }, t.y, before);
+  expect_value_error("x dtype is float32", [&] { sa::small_matmul(t.ym(), {xf.data(), 2, 20, 20, DType::f32}, t.wm()); }, t.y, before);
+  expect_value_error("x has 19 columns but w has 20", [&] { sa::small_matmul(t.ym(), {t.x.data(), 2, 19, 20, DType::bf16}, t.wm()); }, t.y, before);
+  expect_value_error("y has shape [2, 10] but x @ w.T has shape [2, 9]", [&] { sa::small_matmul(t.ym(), t.xm(), {t.w.data(), 9, 20, 20, DType::bf16}); }, t.y, before);
   Buf shared = random_buf(DType::bf16, 220, rng);  // y [2, 10] inside w [10, 20]
   const Buf shared_before = shared;
-  expect_error("w memory overlaps y",
+  expect_value_error("w memory overlaps y",
                [&] { sa::small_matmul({static_cast<uint16_t*>(shared.data()) + 20, 2, 10, 10, DType::bf16}, t.xm(), {shared.data(), 10, 20, 20, DType::bf16}); },
                shared, shared_before);
-  expect_error("y row stride 5 is smaller", [&] { sa::small_matmul({t.y.data(), 2, 10, 5, DType::bf16}, t.xm(), t.wm()); }, t.y, before);
+  expect_value_error("y row stride 5 is smaller", [&] { sa::small_matmul({t.y.data(), 2, 10, 5, DType::bf16}, t.xm(), t.wm()); }, t.y, before);
 }
-
-// small_matmul_nn: y = x @ w with w [h, o].
-struct MmNN {
-  int64_t m, o, h, xs, ws, ys;
-  Buf x, w, y;
-  MmNN(int64_t m_, int64_t o_, int64_t h_, int64_t pad, std::mt19937_64& rng)
-      : m(m_), o(o_), h(h_), xs(h_ + pad), ws(o_ + 2 * pad), ys(o_ + pad),
-        x(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * xs, 1)), rng)),
-        w(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(h * ws, 1)), rng)),
-        y(random_buf(DType::bf16, static_cast<size_t>(std::max<int64_t>(m * ys, 1)), rng)) {}
-  sa::Matrix ym() { return {y.data(), m, o, ys, DType::bf16}; }
-  sa::ConstMatrix xm() const { return {x.data(), m, h, xs, DType::bf16}; }
-  sa::ConstMatrix wm() const { return {w.data(), h, o, ws, DType::bf16}; }
-  bool run(int threads) {
-    sa::Options opt;
-    opt.num_threads = threads;
-    return sa::small_matmul_nn(ym(), xm(), wm(), opt);
-  }
-};
 
 TEST(SmallMatmulNN, MatchesFloat64WithinOneRounding) {
   std::mt19937_64 rng(17);
   for (int64_t m : {1, 2, 5, 6, 7, 13})
     for (int64_t h : {0, 1, 3, 64, 300})
       for (int64_t o : {1, 15, 16, 17, 40, 70}) {
-        MmNN t(m, o, h, (m + o) % 3 == 0 ? 0 : 5, rng);
+        Mm t(m, o, h, (m + o) % 3 == 0 ? 0 : 5, rng, true);
         const Buf before = t.y;
         const bool ran = t.run(2);
         ASSERT_EQ(ran, served());
@@ -204,7 +193,7 @@ TEST(SmallMatmulNN, MatchesFloat64WithinOneRounding) {
             }
             double ref = 0, mag = 0;
             for (int64_t c = 0; c < h; ++c) {
-              const double p = t.x.get(static_cast<size_t>(i * t.xs + c)) * t.w.get(static_cast<size_t>(c * t.ws + r));
+              const double p = t.x.get(static_cast<size_t>(i * t.xs + c)) * t.wat(c, r);
               ref += p;
               mag += std::fabs(p);
             }
@@ -222,7 +211,7 @@ TEST(SmallMatmulNN, BitsOfTheOrderedFmaChain) {
   std::mt19937_64 rng(19);
   for (int64_t m : {1, 7, 20})
     for (int64_t o : {33, 100, 500}) {
-      MmNN t(m, o, 90, 2, rng);
+      Mm t(m, o, 90, 2, rng, true);
       ASSERT_TRUE(t.run(1));
       const Buf one = t.y;
       for (int threads : {2, 3}) {
@@ -234,7 +223,7 @@ TEST(SmallMatmulNN, BitsOfTheOrderedFmaChain) {
           float acc = 0;
           for (int64_t c = 0; c < t.h; ++c)
             acc = std::fma(static_cast<float>(t.x.get(static_cast<size_t>(i * t.xs + c))),
-                           static_cast<float>(t.w.get(static_cast<size_t>(c * t.ws + r))), acc);
+                           static_cast<float>(t.wat(c, r)), acc);
           Buf want = random_buf(DType::bf16, 1, rng);
           want.set(0, acc);
           ASSERT_EQ(t.y.get(static_cast<size_t>(i * t.ys + r)), want.get(0)) << "m=" << m << " row " << i << " col " << r;
@@ -244,21 +233,11 @@ TEST(SmallMatmulNN, BitsOfTheOrderedFmaChain) {
 
 TEST(SmallMatmulNN, BadInputNamesTheArgumentAndLeavesYUntouched) {
   std::mt19937_64 rng(23);
-  MmNN t(2, 10, 20, 0, rng);
+  Mm t(2, 10, 20, 0, rng, true);
   const Buf before = t.y;
-  auto expect_error = [&](const char* what, auto&& call) {
-    try {
-      call();
-      ADD_FAILURE() << "no error for " << what;
-    } catch (const sa::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-      EXPECT_EQ(e.kind(), sa::Error::Kind::value);
-    }
-    EXPECT_EQ(t.y.bytes, before.bytes) << what;
-  };
-  expect_error("x has 20 columns but w has 19 rows", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.w.data(), 19, 10, 10, DType::bf16}); });
-  expect_error("y has shape [2, 10] but x @ w has shape [2, 9]", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.w.data(), 20, 9, 10, DType::bf16}); });
-  expect_error("w memory overlaps y", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.y.data(), 20, 10, 10, DType::bf16}); });
+  expect_value_error("x has 20 columns but w has 19 rows", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.w.data(), 19, 10, 10, DType::bf16}); }, t.y, before);
+  expect_value_error("y has shape [2, 10] but x @ w has shape [2, 9]", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.w.data(), 20, 9, 10, DType::bf16}); }, t.y, before);
+  expect_value_error("w memory overlaps y", [&] { sa::small_matmul_nn(t.ym(), t.xm(), {t.y.data(), 20, 10, 10, DType::bf16}); }, t.y, before);
 }
 
 }  // namespace
