@@ -27,7 +27,7 @@ the inference loop and keeps the pre-activations; its backward runs the same blo
 every weight, bias, input and routing weight; the gate's derivative is taken by autograd over all
 rows at once), by torch's grouped products where they apply without AMX, else block by block;
 in bf16 where torch has no oneDNN bf16 product (AVX2 CPUs), block by block with this library's
-small_matmul / small_matmul_nn (see _own_backward).
+small_matmul / small_matmul_nn (see _own_products).
 Under torch.compile the products are two opaque grouped ops
 and the gate is traced, so a block compiles to one graph. transformers is imported only by
 `register`.
@@ -122,9 +122,10 @@ def _own_products(g, weight) -> bool:
     """Whether every product of a block (forward x @ W_e with either weight layout and any bias,
     backward g @ W_e, g.T @ x) takes this library's small_matmul / small_matmul_nn: bf16 on a CPU
     where torch has no oneDNN bf16 product (see _onednn_bf16). There torch's bf16 products with
-    a transposed operand are slower still than its plain ones: g [128, 1024] @ W [1024, 3584] 989 ms (0.95 GFLOPS), g.T @ a 123 ms, two
-    threads, an EPYC without AVX-512; a Mixtral block's backward at 64 tokens took 5.1 s, all but
-    40 ms of it in those products, for every experts implementation alike."""
+    a transposed operand are slower still than its plain ones: g [128, 1024] @ W [1024, 3584]
+    989 ms (0.95 GFLOPS), g.T @ a 123 ms, two threads, an EPYC without AVX-512; a Mixtral block's
+    backward at 64 tokens took 5.1 s, all but 40 ms of it in those products, for every experts
+    implementation alike."""
     return (not _ONEDNN_BF16 and g.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and g.device.type == "cpu" and weight.stride(-1) == 1 and _kernel_here())
 
@@ -206,7 +207,7 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
 def _grad_input(g, weight, e, transposed, out=None):
     """dL/dx = g @ W_e.T for y = x @ W_e. For transposed [E, in, out] weights as (W_e @ g.T).T (the
     weight as the left operand, as it lies); for [E, out, in] weights W_e is already the right
-    operand in row-major order. Where _own_backward: small_matmul (transposed) or small_matmul_nn,
+    operand in row-major order. Where _own_products: small_matmul (transposed) or small_matmul_nn,
     the weight read as it lies."""
     if _own_products(g, weight) and (out is None or out.stride(-1) == 1):
         g = g.contiguous()
