@@ -310,8 +310,8 @@ void nn_block(const SmallMatmulJob& j, int64_t i, const uint16_t* panel, int64_t
 // of 6 rows of y passes all of them in turn, so that y is written a row block at a time. Two
 // threads, ms, against a copy per panel and a pass of all rows of y per panel: g [1, 7168] @ w
 // [7168, 1024] 7.5 -> 3.2, g.T [7168, 1] @ x [1, 1024] 15.9 -> 3.0 (each line of y was written in
-// two halves, far apart). The panels stay in a buffer per thread between calls (kPanelBytes, or
-// h rows of 32 bytes where that is more).
+// two halves, far apart). The panels stay in a buffer per thread between calls, up to
+// kPanelBytes (a longer h, whose single panel is larger, releases it).
 void small_matmul_nn_avx2(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
   constexpr int64_t kPanelBytes = 1 << 20;
   const int64_t h = j.cols, m = j.m;
@@ -347,6 +347,10 @@ void small_matmul_nn_avx2(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
       case 5: pass(i, nn_block<5>); break;
       default: break;
     }
+  }
+  if (rows.capacity() * sizeof(Row) > static_cast<size_t>(kPanelBytes)) {  // a long h: not kept
+    rows.clear();
+    rows.shrink_to_fit();
   }
 }
 
