@@ -1,14 +1,21 @@
 // Run-time ISA dispatch: CPUID + XGETBV are read once; SCATTER_ADD_CPU_ISA (scalar, avx2, avx512,
 // avx512_bf16) caps the level so tests can force every compiled path; set_isa() does the same
-// from code. A requested level above what the CPU and OS support is clamped down, never up.
+// from code. A requested level above what the CPU and OS support is clamped down, never up, and
+// so is one above SCATTER_ADD_MAX_ISA, the highest level whose kernels were compiled (CMake's
+// option of that name; every level by default).
 #include <cpuid.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "dispatch.h"
 #include "scatter_add/scatter_add.h"
+
+#ifndef SCATTER_ADD_MAX_ISA
+#define SCATTER_ADD_MAX_ISA 3
+#endif
 
 namespace scatter_add {
 namespace {
@@ -68,7 +75,7 @@ const char* isa_name(Isa isa) {
 }
 
 Isa supported_isa() {
-  static const Isa best = detect_isa();
+  static const Isa best = std::min(detect_isa(), static_cast<Isa>(SCATTER_ADD_MAX_ISA));
   return best;
 }
 
@@ -82,12 +89,17 @@ Isa set_isa(Isa isa) {
 
 namespace cpu {
 const KernelTable& active_kernels() {
-  switch (active_isa()) {
-    case Isa::avx512_bf16: return kernels_avx512_bf16();
-    case Isa::avx512: return kernels_avx512();
-    case Isa::avx2: return kernels_avx2();
-    case Isa::scalar: break;
-  }
+  const Isa isa = active_isa();  // never above SCATTER_ADD_MAX_ISA (supported_isa)
+#if SCATTER_ADD_MAX_ISA >= 3
+  if (isa == Isa::avx512_bf16) return kernels_avx512_bf16();
+#endif
+#if SCATTER_ADD_MAX_ISA >= 2
+  if (isa == Isa::avx512) return kernels_avx512();
+#endif
+#if SCATTER_ADD_MAX_ISA >= 1
+  if (isa == Isa::avx2) return kernels_avx2();
+#endif
+  (void)isa;
   return kernels_scalar();
 }
 }  // namespace cpu

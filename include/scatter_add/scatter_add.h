@@ -190,7 +190,9 @@ int get_num_threads();
 // the best level in place).
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
 const char* isa_name(Isa isa);
-Isa supported_isa();  // the best level this CPU and OS support
+// The best level this CPU and OS support, at most the highest level compiled (CMake's
+// SCATTER_ADD_MAX_ISA, every level by default).
+Isa supported_isa();
 Isa active_isa();     // the level in use (after SCATTER_ADD_CPU_ISA and set_isa)
 // Forces a level for tests (clamped to supported_isa()); returns the level now in use.
 Isa set_isa(Isa isa);
