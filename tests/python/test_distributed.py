@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from distributed_worker import CASES
 
 
 def free_port():
@@ -18,18 +19,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("mode,case", [("static", "routed"), ("dropless", "routed"), ("static", "one_rank"),
-                                       ("dropless", "one_rank")])
-def test_distributed_expert_parallel_matches_single_process(tmp_path, world, mode, case):
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"{w}_ranks")
+def test_distributed_expert_parallel_matches_single_process(tmp_path, world):
+    """Every (mode, case) of distributed_worker.CASES in one launch of `world` ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(ROOT / "tests" / "python" / "distributed_worker.py"), mode, case, str(tmp_path)]
+           str(ROOT / "tests" / "python" / "distributed_worker.py"), str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    results = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(world)]
-    for res in results:
-        assert res["world"] == world
-        assert res["max_out"] > 0
-        assert res["max_diff"] <= 1e-12 * max(1.0, res["max_out"]), res
+    for mode, case in CASES:
+        results = [json.loads((tmp_path / f"{mode}-{case}-rank{i}.json").read_text()) for i in range(world)]
+        for res in results:
+            assert res["world"] == world, (mode, case, res)
+            assert res["max_out"] > 0, (mode, case, res)
+            assert res["max_diff"] <= 1e-12 * max(1.0, res["max_out"]), (mode, case, res)
