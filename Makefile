@@ -53,16 +53,21 @@ test-python: hub
 	$(PY) -m pytest tests/python -q -rs
 
 # Two lanes side by side (scripts/lanes.sh; each line of output is prefixed [cpp] or [python]),
-# after every Debian package either needs is installed (apt-get must not run twice at once).
-TEST_CPP := test-cpp test-consumer test-sanitizers cuda
-TEST_PY := test-python test-python-venv-cuda bench-quick hub-no-python-h cuda-hub
+# after every Debian package either needs is installed (apt-get must not run twice at once), in
+# two rounds: the second round's targets use both virtual environments and the hub package, which
+# the first round's Python lane makes (a target that made them in the other lane would race it).
+TEST_CPP_1 = test-cpp test-consumer test-sanitizers
+TEST_PY_1 = test-python $(VENV_CUDA)/.installed
+TEST_CPP_2 = cuda hub-no-python-h
+TEST_PY_2 = test-python-venv-cuda bench-quick cuda-hub
 test:
 	@scripts/check_disk.sh
 	@scripts/install_deps.sh pkg-config $(SAN_DEPS)
-	@scripts/lanes.sh cpp '$(MAKE) $(TEST_CPP)' python '$(MAKE) $(TEST_PY)'
+	@scripts/lanes.sh cpp '$(MAKE) $(TEST_CPP_1)' python '$(MAKE) $(TEST_PY_1)'
+	@scripts/lanes.sh cpp '$(MAKE) $(TEST_CPP_2)' python '$(MAKE) $(TEST_PY_2)'
 
 # The same one after another (one stream of output).
-test-serial: $(TEST_CPP) $(TEST_PY)
+test-serial: $(TEST_CPP_1) $(TEST_PY_1) $(TEST_CPP_2) $(TEST_PY_2)
 
 # Sanitizers (clang's runtimes from Debian): the whole C++ suite under ASan + UBSan, the threaded
 # path (std::thread backend, which TSan can see into) under TSan, and the fuzz corpus replayed.
