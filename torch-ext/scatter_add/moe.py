@@ -130,6 +130,21 @@ def _own_products(g, weight) -> bool:
             and g.device.type == "cpu" and weight.stride(-1) == 1 and _kernel_here())
 
 
+def _own_product(x, weight, bias, transposed, out):
+    """This library's product for x @ W_e (+ b_e), or None for torch's: where _own_products, every
+    block (small_matmul_nn for GPT-OSS's transposed [E, in, out] weights, small_matmul for [E, out,
+    in]; a bias is added after it); elsewhere small_matmul for blocks of at most _small_rows() rows
+    where _small_ok. Rows and `out` must have unit column stride."""
+    m = x.shape[0]
+    if m == 0 or x.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        return None
+    if _own_products(x, weight):
+        return ops.small_matmul_nn if transposed else ops.small_matmul
+    if m <= _small_rows() and _small_ok(x, weight, bias, transposed):
+        return ops.small_matmul
+    return None
+
+
 def _kernel_here() -> bool:
     """Whether small_matmul runs on this CPU (probed once)."""
     global _small_kernel
@@ -178,17 +193,11 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     _small_rows() rows, which take this library's small_matmul (see _small_ok)."""
     w = weight[e]
     amx = _AMX and x.device.type == "cpu"
-    if (swap and x.shape[0] > 0 and x.stride(-1) == 1 and (out is None or out.stride(-1) == 1)
-            and (transposed or bias is not None) and _own_products(x, weight)):
-        # GPT-OSS's transposed layout and biases, where torch has no oneDNN bf16: x @ W_e by
-        # small_matmul_nn (x @ W_e.T by small_matmul), then the bias added in bf16, as the eager loop does
+    own = _own_product(x, weight, bias, transposed, out) if swap else None
+    if own is not None:
         y = x.new_empty(x.shape[0], _out_features(weight, transposed)) if out is None else out
-        if (ops.small_matmul_nn if transposed else ops.small_matmul).default(y, x, w):
-            return y if bias is None else y.add_(bias[e])
-    if swap and 0 < x.shape[0] <= _small_rows() and x.stride(-1) == 1 and _small_ok(x, weight, bias, transposed):
-        y = x.new_empty(x.shape[0], w.shape[0]) if out is None else out
-        if ops.small_matmul.default(y, x, w):
-            return y
+        if own.default(y, x, w):
+            return y if bias is None else y.add_(bias[e])  # in bf16, as the eager loop adds it
     if x.shape[0] == 1 and amx:
         mat = w.t() if transposed else w
         y = (torch.mv(mat, x[0]) if bias is None else torch.addmv(bias[e], mat, x[0]))[None]
