@@ -58,8 +58,8 @@ test-python: hub
 # the first round's Python lane makes (a target that made them in the other lane would race it).
 TEST_CPP_1 = test-cpp test-consumer test-sanitizers
 TEST_PY_1 = test-python $(VENV_CUDA)/.installed
-TEST_CPP_2 = cuda hub-no-python-h
-TEST_PY_2 = test-python-venv-cuda bench-quick cuda-hub
+TEST_CPP_2 = cuda
+TEST_PY_2 = test-python-venv-cuda bench-quick hub-no-python-h cuda-hub
 test:
 	@scripts/check_disk.sh
 	@scripts/install_deps.sh pkg-config $(SAN_DEPS)
