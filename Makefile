@@ -1,9 +1,10 @@
 # scatter-add. Two commands do everything on a fresh Debian 12 machine:
 #   make bench   the side-by-side benchmark (installs what it needs first)
-#   make test    C++ tests on every ISA level, the hub package, pytest, and a quick bench
+#   make test    C++ tests on every ISA level this CPU runs, the hub package, pytest, and a quick bench
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
+VENV_CUDA := .venv-cuda
 PY := $(VENV)/bin/python
 BUILD := .build/release
 JOBS ?= $(shell nproc)
@@ -11,7 +12,7 @@ JOBS ?= $(shell nproc)
 MAKEFLAGS += --no-print-directory
 
 .PHONY: all deps venv cpp hub-no-python-h test test-cpp test-consumer test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
-.PHONY: test-python-venv-cuda compat test-serial
+.PHONY: test-python-venv-cuda compat test-serial clang-levels
 
 all: cpp
 
@@ -30,9 +31,13 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install -r requirements.txt
 	@touch $@
 
+# Under a lock that tests/python/test_readme.py also takes to run the README's build commands,
+# which build the same directory (make test runs the two in different lanes).
+RELEASE_LOCK := .build/release.lock
 cpp: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
-	cmake --build $(BUILD) -j $(JOBS)
+	@mkdir -p .build
+	flock $(RELEASE_LOCK) cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	flock $(RELEASE_LOCK) cmake --build $(BUILD) -j $(JOBS)
 
 test-cpp: cpp
 	ctest --test-dir $(BUILD) --output-on-failure
@@ -58,7 +63,7 @@ test-python: hub
 # the first round's Python lane makes (a target that made them in the other lane would race it).
 TEST_CPP_1 = test-cpp test-consumer test-sanitizers
 TEST_PY_1 = test-python $(VENV_CUDA)/.installed
-TEST_CPP_2 = cuda
+TEST_CPP_2 = cuda clang-levels
 TEST_PY_2 = test-python-venv-cuda bench-quick hub-no-python-h cuda-hub
 test:
 	@scripts/check_disk.sh
@@ -93,6 +98,17 @@ test-sanitizers:
 	.build/fuzz/fuzz_scatter_add -runs=0 tests/fuzz/corpus 2>&1 | tail -n 2
 
 # libFuzzer over the core for FUZZ_SECONDS; new interesting inputs are merged into the corpus.
+# The kernel levels above this CPU's, which the clang builds above leave out, checked by clang
+# once (-fsyntax-only: every template instantiated and checked, no code generated), as the
+# release build compiles them with gcc.
+clang-levels:
+	@scripts/install_deps.sh $(SAN_DEPS)
+	for bf16 in 0 1; do \
+	  clang++ -std=c++17 -fsyntax-only -Wall -Wextra -Iinclude -Icsrc/cpu -mavx512f -mavx512bw -mavx512vl -mavx512dq \
+	    -mfma -mf16c -mpopcnt $$([ $$bf16 = 1 ] && echo -mavx512bf16) -DSCATTER_ADD_AVX512_BF16=$$bf16 \
+	    csrc/cpu/kernels_avx512.cpp || exit 1; \
+	done
+
 FUZZ_SECONDS ?= 60
 fuzz-build:
 	@scripts/install_deps.sh $(SAN_DEPS)
@@ -126,7 +142,6 @@ endif
 # A second torch, pip's CUDA build (no GPU needed), in its own venv with the test requirements:
 # the hub variants are loaded and tested on it too.
 CUDA_TORCH ?= torch==2.14.1
-VENV_CUDA := .venv-cuda
 $(VENV_CUDA)/.installed: requirements.txt
 	@test -x $(VENV_CUDA)/bin/python || $(PYTHON) -m venv $(VENV_CUDA)
 	grep -vE '^(torch|matplotlib)==' requirements.txt > $(VENV_CUDA)/requirements-test.txt

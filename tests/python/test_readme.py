@@ -9,7 +9,8 @@ How blocks are run (each in a fresh process, working directory = the checkout):
   cmake         the block is that project's CMakeLists.txt, with the nearest C++ block above it as
                 main.cpp (and the checkout at third_party/scatter-add); the program must print
                 what that C++ block shows
-  bash / sh     bash -euo pipefail
+  bash / sh     bash -euo pipefail (under flock .build/release.lock, as the Makefile's `cpp`
+                target builds .build/release)
   text          the output of the block above it (or an illustration); not run
 
 A comment line right above a block's opening fence adjusts how it runs, `;`-separated:
@@ -235,7 +236,11 @@ def test_readme_block(block, request):
     if block.kind == "python":
         r = run([sys.executable, "-c", block.code], ROOT, env, timeout)
     elif block.kind == "bash":
-        r = run(["bash", "-euo", "pipefail", "-c", block.code], ROOT, env, timeout)
+        # Under the lock of the Makefile's `cpp` target: a block may build .build/release, which
+        # make test's other lane builds and installs from.
+        (ROOT / ".build").mkdir(exist_ok=True)
+        r = run(["flock", str(ROOT / ".build" / "release.lock"), "bash", "-euo", "pipefail", "-c", block.code],
+                ROOT, env, timeout)
     else:
         prefix = request.getfixturevalue("installed_prefix")
         project = ROOT / ".build" / "readme" / f"{block.kind}{[b for b in RUNNABLE if b.kind == block.kind].index(block)}"
