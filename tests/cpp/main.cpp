@@ -26,8 +26,12 @@ int main(int argc, char** argv) {
       argv[kept++] = argv[i];
   }
   argc = kept;
+  argv[argc] = nullptr;
   const char* want = std::getenv("SCATTER_ADD_CPU_ISA");
-  if (skip_above_cpu && want != nullptr && std::strcmp(want, sa::isa_name(sa::active_isa())) != 0) {
+  bool above = false;  // a known level's name, above the level in use
+  for (sa::Isa isa : {sa::Isa::scalar, sa::Isa::avx2, sa::Isa::avx512, sa::Isa::avx512_bf16})
+    if (want != nullptr && std::strcmp(want, sa::isa_name(isa)) == 0) above = isa > sa::active_isa();
+  if (skip_above_cpu && above) {
     std::printf("skipped: SCATTER_ADD_CPU_ISA=%s is above this CPU's level (%s), to which the library clamps it; "
                 "the entry for %s runs those kernels\n",
                 want, sa::isa_name(sa::supported_isa()), sa::isa_name(sa::active_isa()));
