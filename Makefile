@@ -97,7 +97,6 @@ test-sanitizers:
 	$(MAKE) --no-print-directory fuzz-build
 	.build/fuzz/fuzz_scatter_add -runs=0 tests/fuzz/corpus 2>&1 | tail -n 2
 
-# libFuzzer over the core for FUZZ_SECONDS; new interesting inputs are merged into the corpus.
 # The kernel levels above this CPU's, which the clang builds above leave out, checked by clang
 # once (-fsyntax-only: every template instantiated and checked, no code generated), as the
 # release build compiles them with gcc.
@@ -109,6 +108,7 @@ clang-levels:
 	    csrc/cpu/kernels_avx512.cpp || exit 1; \
 	done
 
+# libFuzzer over the core for FUZZ_SECONDS; new interesting inputs are merged into the corpus.
 FUZZ_SECONDS ?= 60
 fuzz-build:
 	@scripts/install_deps.sh $(SAN_DEPS)
