@@ -48,9 +48,11 @@ configure_and_build add_subdirectory "$here/add_subdirectory" "${unoptimised[@]}
   -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON
 check "add_subdirectory" "$work/add_subdirectory/consumer"
 
+# This one also without the SIMD kernels (SCATTER_ADD_MAX_ISA=scalar): such a build must link and,
+# by the summation contract, print the same bits.
 configure_and_build fetchcontent "$here/fetchcontent" "${unoptimised[@]}" -DFETCHCONTENT_SOURCE_DIR_SCATTER_ADD="$root" \
-  -DSCATTER_ADD_GIT_REPOSITORY="$root" -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON
-check "FetchContent" "$work/fetchcontent/consumer"
+  -DSCATTER_ADD_GIT_REPOSITORY="$root" -DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON -DSCATTER_ADD_MAX_ISA=scalar
+check "FetchContent, scalar kernels only" "$work/fetchcontent/consumer"
 
 export PKG_CONFIG_PATH="$(dirname "$(find "$work/prefix" -name scatter_add.pc)")"
 # shellcheck disable=SC2046  # pkg-config prints several flags
