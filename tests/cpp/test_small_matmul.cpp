@@ -90,7 +90,7 @@ TEST(SmallMatmul, MatchesFloat64WithinOneRounding) {
 TEST(SmallMatmul, SameBitsOnEveryThreadCount) {
   if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx2 (isa=" << sa::isa_name(sa::active_isa()) << ")";
   std::mt19937_64 rng(11);
-  for (int64_t m : {1, 3, 8, 19})
+  for (int64_t m : {1, 2, 3, 8, 19})
     for (int64_t o : {31, 200, 1000}) {
       Mm t(m, o, 300, 0, rng);
       ASSERT_TRUE(t.run(1));
