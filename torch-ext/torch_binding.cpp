@@ -85,6 +85,7 @@ __asm__(".symver dlsym,dlsym@GLIBC_2.17");
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "scatter_add/scatter_add.h"
 
@@ -531,6 +532,45 @@ bool small_matmul_op(const Tensor& y, const Tensor& x, const Tensor& w) {
   return ran;
 }
 
+// small_matmul over blocks of rows (an MoE layer's experts in one call): y[block g] = x[block g]
+// @ w[g].T, w [G, o, h] with its experts back to back (a range of an [E, o, h] parameter), block g
+// the rows [ends[g - 1], ends[g]); ends 1-D int32 or int64 on the CPU, G entries.
+bool small_matmul_grouped_op(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor& ends) {
+  const char* op = "small_matmul_grouped";
+  const Info oi(defined(op, "y", y)), xi(defined(op, "x", x)), wi(defined(op, "w", w)), ei(defined(op, "ends", ends));
+  const std::pair<const char*, const Info*> args[] = {{"y", &oi}, {"x", &xi}, {"w", &wi}, {"ends", &ei}};
+  for (const auto& [name, i] : args)
+    if (i->device_type != kCodes.cpu) fail(Kind::value, op, name, " must be on the CPU, got ", DeviceName{*i});
+  for (const auto& [name, i] : {args[0], args[1]}) {
+    if (i->dim != 2) fail(Kind::value, op, name, " must be 2-D, got shape ", Shape{*i});
+    if (i->dtype != kCodes.bf16) fail(Kind::value, op, name, " must be BFloat16, got ", DTypeName{*i});
+    if (!unit_columns(*i)) fail(Kind::value, op, name, " must have contiguous rows, got strides (", i->stride[0], ", ", i->stride[1], ")");
+  }
+  if (wi.dim != 3) fail(Kind::value, op, "w must be 3-D [experts, out, in], got shape ", Shape{wi});
+  if (wi.dtype != kCodes.bf16) fail(Kind::value, op, "w must be BFloat16, got ", DTypeName{wi});
+  const int64_t g = wi.size[0], o = wi.size[1], h = wi.size[2];
+  if (g == 0) fail(Kind::value, op, "w must hold at least one expert, got shape ", Shape{wi});
+  const int64_t row = o > 1 ? wi.stride[1] : h;
+  if ((h > 1 && wi.stride[2] != 1) || (o > 1 && wi.stride[1] < h) || (g > 1 && o > 0 && wi.stride[0] != o * row))
+    fail(Kind::value, op, "w must hold its experts' rows back to back (strides (o * s, s, 1), s >= in), got strides (",
+         wi.stride[0], ", ", wi.stride[1], ", ", wi.stride[2], ")");
+  if (ei.dim != 1 || ei.size[0] != g)
+    fail(Kind::value, op, "ends must be 1-D with ", g, " entries (one per expert of w), got shape ", Shape{ei});
+  if (ei.dtype != kCodes.i32 && ei.dtype != kCodes.i64)
+    fail(Kind::value, op, "ends must be int32 or int64, got ", DTypeName{ei});
+  std::vector<int64_t> e(static_cast<size_t>(g));
+  const char* base = static_cast<const char*>(ei.data());
+  for (int64_t i = 0; i < g; ++i)
+    e[static_cast<size_t>(i)] = ei.dtype == kCodes.i32 ? reinterpret_cast<const int32_t*>(base)[i * ei.stride[0]]
+                                                       : reinterpret_cast<const int64_t*>(base)[i * ei.stride[0]];
+  const sa::ConstMatrix wm{wi.data(), g * o, h, row, sa::DType::bf16};
+  bool ran = false;
+  call_core(op, [&] {
+    ran = sa::small_matmul_grouped(matrix_of(oi), matrix_of(xi), wm, e.data(), g, Cpu::options(std::nullopt));
+  });
+  return ran;
+}
+
 #if defined(SA_WITH_CUDA)
 // CUDA: weights in the accumulator dtype, a workspace from torch's caching allocator, torch's
 // current stream on the input's device.
@@ -601,6 +641,7 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // only with nothing to record.
   m.def("small_matmul(Tensor(a!) y, Tensor x, Tensor w) -> bool");
   m.def("small_matmul_nn(Tensor(a!) y, Tensor x, Tensor w) -> bool");
+  m.def("small_matmul_grouped(Tensor(a!) y, Tensor x, Tensor w, Tensor ends) -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -613,6 +654,7 @@ STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("gather_plain", TORCH_BOX(&scatter_add_torch::gather_op<B>));
   m.impl("small_matmul", TORCH_BOX(&scatter_add_torch::small_matmul_op<false>));
   m.impl("small_matmul_nn", TORCH_BOX(&scatter_add_torch::small_matmul_op<true>));
+  m.impl("small_matmul_grouped", TORCH_BOX(&scatter_add_torch::small_matmul_grouped_op));
 }
 
 #if defined(SA_WITH_CUDA)

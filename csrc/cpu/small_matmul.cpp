@@ -44,6 +44,29 @@ bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, c
   return true;
 }
 
+bool small_matmul_grouped(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const int64_t* ends,
+                          int64_t groups, const Options& options) {
+  cpu::check_small_matmul_grouped_args("small_matmul_grouped", y, x, w, ends, groups);
+  const cpu::SmallMatmulFn fn = cpu::active_kernels().small_matmul;
+  if (fn == nullptr) return false;
+  const int64_t o = w.rows / groups;
+  if (y.rows == 0 || o == 0) return true;
+  double bytes = 0;  // the weights of the blocks with rows, each read once
+  for (int64_t g = 0, start = 0; g < groups; start = ends[g++])
+    if (ends[g] > start) bytes += static_cast<double>(o) * static_cast<double>(w.cols) * 2.0;
+  by_column_lines(options, o, bytes, [&](int64_t o0, int64_t o1) {
+    for (int64_t g = 0, start = 0; g < groups; start = ends[g++]) {
+      if (ends[g] == start) continue;
+      const cpu::SmallMatmulJob job{static_cast<uint16_t*>(y.data) + start * y.row_stride, y.row_stride,
+                                    static_cast<const uint16_t*>(x.data) + start * x.row_stride, x.row_stride,
+                                    static_cast<const uint16_t*>(w.data) + g * o * w.row_stride, w.row_stride,
+                                    ends[g] - start, x.cols, nullptr};
+      fn(job, o0, o1);
+    }
+  });
+  return true;
+}
+
 bool small_matmul_nn(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options) {
   cpu::check_small_matmul_args("small_matmul_nn", y, x, w, true);
   const cpu::SmallMatmulFn fn = cpu::active_kernels().small_matmul_nn;

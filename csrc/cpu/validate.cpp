@@ -408,6 +408,29 @@ void check_small_matmul_args(const char* op, const Matrix& y, const ConstMatrix&
   if (may_overlap(o, bytes_of(w.data, w.rows, w.cols, w.row_stride, 2))) fail(op, Error::Kind::value, "w memory overlaps y");
 }
 
+void check_small_matmul_grouped_args(const char* op, const Matrix& y, const ConstMatrix& x, const ConstMatrix& w,
+                                     const int64_t* ends, int64_t groups) {
+  if (groups < 1) fail(op, Error::Kind::value, "groups must be at least 1, got " + std::to_string(groups));
+  if (ends == nullptr) fail(op, Error::Kind::value, "ends is null but groups = " + std::to_string(groups));
+  check_view(op, "w", w.data, w.rows, w.cols, w.row_stride, w.dtype, false);
+  if (w.rows % groups != 0)
+    fail(op, Error::Kind::value,
+         "w has " + std::to_string(w.rows) + " rows, not a multiple of groups = " + std::to_string(groups));
+  const ConstMatrix first{w.data, w.rows / groups, w.cols, w.row_stride, w.dtype};
+  check_small_matmul_args(op, y, x, first);
+  if (may_overlap(bytes_of(y.data, y.rows, y.cols, y.row_stride, 2), bytes_of(w.data, w.rows, w.cols, w.row_stride, 2)))
+    fail(op, Error::Kind::value, "w memory overlaps y");
+  int64_t before = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const std::string at = "ends[" + std::to_string(g) + "] = " + std::to_string(ends[g]);
+    if (ends[g] < before)
+      fail(op, Error::Kind::value,
+           at + (g ? " is smaller than ends[" + std::to_string(g - 1) + "] = " + std::to_string(before) : " is negative"));
+    if (ends[g] > x.rows) fail(op, Error::Kind::value, at + " is past x's " + std::to_string(x.rows) + " rows");
+    before = ends[g];
+  }
+}
+
 void check_plan(const char* op, const Plan& plan, int64_t n, const char* n_name, int64_t k,
                 const char* k_name, const Options& options) {
   if (plan.num_rows() != n)

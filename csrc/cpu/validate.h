@@ -26,6 +26,10 @@ void check_gather_args(const char* op, const Matrix& dst, const ConstMatrix& x,
 // nn: y = x @ w with w [h, o] (small_matmul_nn) rather than x @ w.T with w [o, h].
 void check_small_matmul_args(const char* op, const Matrix& y, const ConstMatrix& x, const ConstMatrix& w,
                              bool nn = false);
+// check_small_matmul_args for each block's product, and the groups: groups >= 1 dividing w's rows,
+// ends non-decreasing within [0, x.rows].
+void check_small_matmul_grouped_args(const char* op, const Matrix& y, const ConstMatrix& x, const ConstMatrix& w,
+                                     const int64_t* ends, int64_t groups);
 // The index vector itself (type, length against the [K, D] operand, null data).
 void check_index(const char* op, const IndexVector& index, int64_t k_expected, const char* rows_of);
 // A plan must match the [N, D] operand's rows, the [K, D] operand's rows and ignore_index.

@@ -164,6 +164,18 @@ bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, c
 // 16 columns but w has 15 rows", "y has shape [2, 4] but x @ w has shape [2, 5]").
 bool small_matmul_nn(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options = {});
 
+// small_matmul over the blocks of an MoE layer's experts in one call: w holds `groups` weights of
+// o rows each back to back ([groups * o, h], an [E, o, h] parameter or a range of its experts),
+// and rows [ends[g - 1], ends[g]) of x and y (ends[-1] = 0) are block g: y[block] = x[block] @
+// w_g.T. Rows of y from ends[groups - 1] on are not written. Every element has the bits that
+// small_matmul gives for its block alone; threads split the o columns and walk every block, so a
+// call is one parallel region where a loop of small_matmul calls pays one per block. Returns
+// false, writing nothing, at the scalar level; throws Error as small_matmul does, and for the
+// groups ("w has 10 rows, not a multiple of groups = 3", "ends[1] = 2 is smaller than ends[0] =
+// 3", "ends[2] = 9 is past x's 8 rows").
+bool small_matmul_grouped(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const int64_t* ends,
+                          int64_t groups, const Options& options = {});
+
 // True when two row-major views may share an element: exact for views with the same row stride
 // and rows no longer than it (e.g. two column slices of one matrix) and for single-row views,
 // conservative (true when their byte ranges meet) otherwise. A 1-D buffer is a one-row view.

@@ -1,9 +1,10 @@
 // small_matmul (y = x @ w.T in bfloat16, an expert's products): against a float64 reference
 // within one float32 summation bound and one bf16 rounding, the same bits on 1 to 3 threads and
 // whatever the number of x rows, strided views, special values, the level it declines (scalar),
-// and bad input leaving y untouched.
+// and bad input leaving y untouched; small_matmul_grouped, its blocks in one call.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -169,6 +170,71 @@ TEST(SmallMatmul, BadInputNamesTheArgumentAndLeavesYUntouched) {
                [&] { sa::small_matmul({static_cast<uint16_t*>(shared.data()) + 20, 2, 10, 10, DType::bf16}, t.xm(), {shared.data(), 10, 20, 20, DType::bf16}); },
                shared, shared_before);
   expect_value_error("y row stride 5 is smaller", [&] { sa::small_matmul({t.y.data(), 2, 10, 5, DType::bf16}, t.xm(), t.wm()); }, t.y, before);
+}
+
+// small_matmul_grouped: w [groups * o, h] (an [E, o, h] parameter), block g the rows
+// [ends[g - 1], ends[g]) of x and y; each block has the bits of small_matmul on it alone, on any
+// thread count, and rows past the last block are not written.
+TEST(SmallMatmulGrouped, BlocksHaveTheBitsOfOneCallEach) {
+  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx2";
+  std::mt19937_64 rng(23);
+  const std::vector<std::vector<int64_t>> cases = {{1}, {0, 2, 0, 1, 3}, {5, 1, 0, 9, 2, 2}, {0, 0, 7}, {0}};
+  for (const auto& rows : cases)
+    for (int64_t o : {3, 40, 100}) {
+      const int64_t groups = static_cast<int64_t>(rows.size()), h = 70, pad = 4;
+      std::vector<int64_t> ends;
+      int64_t total = 0;
+      for (int64_t r : rows) ends.push_back(total += r);
+      const int64_t m = total + 2;  // two rows past the last block
+      Buf x = random_buf(DType::bf16, static_cast<size_t>(m * h + 1), rng);
+      Buf w = random_buf(DType::bf16, static_cast<size_t>(groups * o * (h + pad)), rng);
+      const sa::ConstMatrix xm{x.data(), m, h, h, DType::bf16}, wm{w.data(), groups * o, h, h + pad, DType::bf16};
+      std::vector<unsigned char> first;
+      for (int threads : {1, 2, 3}) {
+        Buf y = random_buf(DType::bf16, static_cast<size_t>(m * o), rng);
+        const Buf before = y;
+        sa::Options opt;
+        opt.num_threads = threads;
+        ASSERT_TRUE(sa::small_matmul_grouped({y.data(), m, o, o, DType::bf16}, xm, wm, ends.data(), groups, opt));
+        ASSERT_TRUE(std::equal(y.bytes.begin() + total * o * 2, y.bytes.end(), before.bytes.begin() + total * o * 2))
+            << "a row past the last block was written";
+        for (int64_t g = 0, start = 0; g < groups; start = ends[static_cast<size_t>(g++)]) {
+          const int64_t end = ends[static_cast<size_t>(g)];
+          if (end == start) continue;
+          Buf one = random_buf(DType::bf16, static_cast<size_t>((end - start) * o), rng);
+          ASSERT_TRUE(sa::small_matmul({one.data(), end - start, o, o, DType::bf16},
+                                       {static_cast<const uint16_t*>(x.data()) + start * h, end - start, h, h, DType::bf16},
+                                       {static_cast<const uint16_t*>(w.data()) + g * o * (h + pad), o, h, h + pad, DType::bf16}));
+          ASSERT_TRUE(std::equal(one.bytes.begin(), one.bytes.end(), y.bytes.begin() + start * o * 2))
+              << "group " << g << " o=" << o << " threads=" << threads;
+        }
+        if (threads == 1) first.assign(y.bytes.begin(), y.bytes.begin() + total * o * 2);
+        else ASSERT_TRUE(std::equal(first.begin(), first.end(), y.bytes.begin())) << "threads=" << threads;
+      }
+    }
+}
+
+TEST(SmallMatmulGrouped, BadInputNamesTheArgumentAndLeavesYUntouched) {
+  std::mt19937_64 rng(29);
+  Buf x = random_buf(DType::bf16, 8 * 16, rng), w = random_buf(DType::bf16, 3 * 5 * 16, rng);
+  Buf y = random_buf(DType::bf16, 8 * 5, rng);
+  const Buf before = y;
+  const sa::Matrix ym{y.data(), 8, 5, 5, DType::bf16};
+  const sa::ConstMatrix xm{x.data(), 8, 16, 16, DType::bf16}, wm{w.data(), 15, 16, 16, DType::bf16};
+  const int64_t good[] = {2, 4, 8}, down[] = {2, 4, 3}, past[] = {2, 4, 9}, negative[] = {-1, 4, 8};
+  expect_value_error("groups must be at least 1, got 0", [&] { sa::small_matmul_grouped(ym, xm, wm, good, 0); }, y, before);
+  expect_value_error("ends is null", [&] { sa::small_matmul_grouped(ym, xm, wm, nullptr, 3); }, y, before);
+  expect_value_error("w has 15 rows, not a multiple of groups = 2", [&] { sa::small_matmul_grouped(ym, xm, wm, good, 2); }, y, before);
+  expect_value_error("ends[2] = 3 is smaller than ends[1] = 4", [&] { sa::small_matmul_grouped(ym, xm, wm, down, 3); }, y, before);
+  expect_value_error("ends[2] = 9 is past x's 8 rows", [&] { sa::small_matmul_grouped(ym, xm, wm, past, 3); }, y, before);
+  expect_value_error("ends[0] = -1 is negative", [&] { sa::small_matmul_grouped(ym, xm, wm, negative, 3); }, y, before);
+  expect_value_error("x has 12 columns but w has 16", [&] { sa::small_matmul_grouped(ym, {x.data(), 8, 12, 16, DType::bf16}, wm, good, 3); }, y, before);
+  expect_value_error("y has shape [8, 5] but x @ w.T has shape [8, 3]", [&] { sa::small_matmul_grouped(ym, xm, {w.data(), 9, 16, 16, DType::bf16}, good, 3); }, y, before);
+  Buf shared = random_buf(DType::bf16, 15 * 16, rng);  // y [8, 5] inside w's last expert
+  const Buf shared_before = shared;
+  expect_value_error("w memory overlaps y",
+                     [&] { sa::small_matmul_grouped({static_cast<uint16_t*>(shared.data()) + 190, 8, 5, 5, DType::bf16}, xm, {shared.data(), 15, 16, 16, DType::bf16}, good, 3); },
+                     shared, shared_before);
 }
 
 TEST(SmallMatmulNN, MatchesFloat64WithinOneRounding) {

@@ -83,6 +83,8 @@ def test_declines_the_scalar_level_leaving_y_untouched(sa):
             "out = torch.full((9, 5), 3.0, dtype=torch.bfloat16)\n"
             "assert sa.ops.small_matmul.default(out, x, w) is False\n"
             "assert torch.equal(out, torch.full((9, 5), 3.0, dtype=torch.bfloat16))\n"
+            "assert sa.ops.small_matmul_grouped.default(out, x, w.view(1, 5, 16), torch.tensor([9])) is False\n"
+            "assert torch.equal(out, torch.full((9, 5), 3.0, dtype=torch.bfloat16))\n"
             "print('ok')\n")
     env = dict(os.environ, SCATTER_ADD_CPU_ISA="scalar")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -165,12 +167,108 @@ def test_bad_input_names_the_argument_and_leaves_y_untouched(sa, bad, message):
     assert torch.equal(out, before)
 
 
+def grouped(sa):
+    return sa.ops.small_matmul_grouped.default
+
+
+@pytest.mark.parametrize("ends_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("rows", [[1], [0, 3, 0, 1, 2], [2, 2, 0, 9, 1, 5], [17, 0, 0, 4]])
+def test_grouped_has_the_bits_of_one_call_per_block(sa, rows, ends_dtype):
+    """small_matmul_grouped over a range of an [E, o, h] weight's experts: each block the bits of
+    small_matmul on it alone, on 1 and 2 threads; rows past the last block untouched."""
+    if not served(sa):
+        pytest.skip("small_matmul has no kernel on this CPU (below AVX2)")
+    g = torch.Generator().manual_seed(len(rows) * 10 + sum(rows))
+    e0, o, h = 2, 70, 150
+    w_all = torch.randn(e0 + len(rows) + 1, o, h, generator=g).bfloat16()
+    w = w_all[e0:e0 + len(rows)]
+    ends = torch.tensor(rows).cumsum(0).to(ends_dtype)
+    extra = 3
+    x = torch.randn(int(ends[-1]) + extra, h, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.full((x.shape[0], o), 5.0, dtype=torch.bfloat16)
+            assert grouped(sa)(out, x, w, ends) is True
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        want = torch.empty(end - start, o, dtype=torch.bfloat16)
+        assert small(sa)(want, x[start:end], w[e])
+        assert torch.equal(outs[0][start:end].view(torch.int16), want.view(torch.int16)), e
+        start = end
+    assert torch.equal(outs[0][start:], torch.full((extra, o), 5.0, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("ends_decrease", "ends[2] = 3 is smaller than ends[1] = 4"),
+    ("ends_negative", "ends[0] = -1 is negative"),
+    ("ends_past", "ends[2] = 9 is past x's 8 rows"),
+    ("ends_length", "ends must be 1-D with 3 entries (one per expert of w), got shape [2]"),
+    ("ends_float", "ends must be int32 or int64, got Float"),
+    ("w_2d", "w must be 3-D [experts, out, in], got shape [15, 16]"),
+    ("w_empty", "w must hold at least one expert, got shape [0, 5, 16]"),
+    ("w_gap", "w must hold its experts' rows back to back (strides (o * s, s, 1), s >= in), got strides (128, 16, 1)"),
+    ("w_columns", "w must hold its experts' rows back to back (strides (o * s, s, 1), s >= in), got strides (80, 1, 5)"),
+    ("x_columns", "x has 12 columns but w has 16"),
+    ("y_shape", "y has shape [8, 4] but x @ w.T has shape [8, 5]"),
+    ("y_rows", "y has shape [7, 5] but x @ w.T has shape [8, 5]"),
+    ("overlap", "w memory overlaps y"),
+    ("y_float", "y must be BFloat16, got Float"),
+])
+def test_grouped_bad_input_names_the_argument_and_leaves_y_untouched(sa, bad, message):
+    x = torch.randn(8, 16).bfloat16()
+    w = torch.randn(3, 5, 16).bfloat16()
+    ends = torch.tensor([2, 4, 8])
+    out = torch.full((8, 5), 3.0, dtype=torch.bfloat16)
+    if bad == "ends_decrease":
+        ends = torch.tensor([2, 4, 3])
+    if bad == "ends_negative":
+        ends = torch.tensor([-1, 4, 8])
+    if bad == "ends_past":
+        ends = torch.tensor([2, 4, 9])
+    if bad == "ends_length":
+        ends = ends[:2]
+    if bad == "ends_float":
+        ends = ends.float()
+    if bad == "w_2d":
+        w = torch.randn(15, 16).bfloat16()
+    if bad == "w_empty":
+        w = w[:0]
+    if bad == "w_gap":
+        w = torch.randn(3, 8, 16).bfloat16()[:, :5]
+    if bad == "w_columns":
+        w = torch.randn(3, 16, 5).bfloat16().transpose(1, 2)
+    if bad == "x_columns":
+        x = x[:, :12]
+    if bad == "y_shape":
+        out = out[:, :4]
+    if bad == "y_rows":
+        out = out[:7]
+    if bad == "overlap":
+        store = torch.zeros(400, dtype=torch.bfloat16)
+        w, out = store[:240].view(3, 5, 16), store[200:240].view(8, 5)
+    if bad == "y_float":
+        out = out.float()
+    before = out.clone()
+    with pytest.raises(RuntimeError, match=re.escape("ValueError: small_matmul_grouped: " + message)):
+        grouped(sa)(out, x, w, ends)
+    assert torch.equal(out, before)
+
+
 def test_fake_tensors_decline(sa):
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         x = torch.empty(1, 8, dtype=torch.bfloat16)
         w = torch.empty(4, 8, dtype=torch.bfloat16)
         assert small(sa)(torch.empty(1, 4, dtype=torch.bfloat16), x, w) is False
+        ends = torch.tensor([1, 1])
+        assert grouped(sa)(torch.empty(1, 4, dtype=torch.bfloat16), x, w.view(2, 2, 8), ends) is False
 
 
 def test_moe_probe_under_a_fake_mode_is_not_kept(sa, monkeypatch):
@@ -191,11 +289,13 @@ def test_moe_probe_under_a_fake_mode_is_not_kept(sa, monkeypatch):
 
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn_bf16", "reference_bf16"])
-@pytest.mark.parametrize("rows", [[1, 0, 2, 1], [3, 4, 1, 2], [9, 1, 12, 20]])
+@pytest.mark.parametrize("rows", [[1, 0, 2, 1], [3, 4, 1, 2], [9, 1, 12, 20], [1, 2, 9, 1]])
 def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, onednn):
     """The MoE experts loop (no grad, bf16, without AMX) multiplies blocks of at most four rows
     with small_matmul where torch multiplies bf16 by oneDNN, every block where it does not; the
-    rest as before. Every block equals its own product."""
+    rest as before. A group whose blocks all take it makes one small_matmul_grouped call per
+    product, a group with larger blocks a small_matmul call per small block. Every block equals
+    its own product."""
     moe = sa.moe
     monkeypatch.setattr(moe, "_AMX", False)
     monkeypatch.setattr(moe, "_ONEDNN_BF16", onednn)
@@ -210,15 +310,20 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, oned
     def gate(h):
         return torch.relu(h[:, :inter]) * h[:, inter:]
 
-    calls = {"n": 0}
+    calls = {"small_matmul": 0, "small_matmul_grouped": 0}
     real = moe.ops
 
-    class Counting:
-        class small_matmul:
+    def counted(name):
+        class Op:
             @staticmethod
             def default(*args):
-                calls["n"] += 1
-                return real.small_matmul.default(*args)
+                calls[name] += 1
+                return getattr(real, name).default(*args)
+        return Op
+
+    class Counting:
+        small_matmul = counted("small_matmul")
+        small_matmul_grouped = counted("small_matmul_grouped")
 
     monkeypatch.setattr(moe, "ops", Counting)
     with torch.no_grad():
@@ -227,7 +332,9 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, oned
     assert limit == (moe._SMALL_ROWS if onednn else 1 << 62)
     small_blocks = sum(1 for r in rows if 0 < r <= limit)
     looped = served(sa) and 2 * small_blocks >= sum(1 for r in rows if r > 0)
-    assert calls["n"] == (2 * small_blocks if looped else 0)
+    all_small = max(rows) <= limit
+    assert calls["small_matmul_grouped"] == (2 if looped and all_small else 0)
+    assert calls["small_matmul"] == (2 * small_blocks if looped and not all_small else 0)
     start = 0
     for e, end in enumerate(ends.tolist()):
         x = xs[start:end]

@@ -2,7 +2,8 @@
 torch.export: the compiled kernels' argument, shape, dtype and device checks (same messages, same
 exception), and the output's shape, dtype and device. Sizes may be symbolic, so one compiled graph
 serves every K and N. The checks that need data (index values, memory overlap) run in the real
-kernels only. small_matmul's fake declines (see there)."""
+kernels only. small_matmul's fake declines (see there), as do small_matmul_nn's and
+small_matmul_grouped's."""
 import torch
 
 from ._checks import check_args, check_tensors
@@ -35,6 +36,8 @@ def small_matmul_fake(y, x, w):
 
 torch.library.register_fake(add_op_namespace_prefix("small_matmul"), small_matmul_fake)
 torch.library.register_fake(add_op_namespace_prefix("small_matmul_nn"), small_matmul_fake)
+torch.library.register_fake(add_op_namespace_prefix("small_matmul_grouped"),
+                            lambda y, x, w, ends: small_matmul_fake(y, x, w))
 for _suffix in ("", "_plain"):  # the ops, and their plain twins (see _api.py)
     torch.library.register_fake(add_op_namespace_prefix("scatter_add" + _suffix + "_"), scatter_add_fake)
     torch.library.register_fake(add_op_namespace_prefix("index_add" + _suffix), index_add_fake)
