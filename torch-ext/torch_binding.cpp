@@ -563,7 +563,9 @@ bool small_matmul_grouped_op(const Tensor& y, const Tensor& x, const Tensor& w, 
   for (int64_t i = 0; i < g; ++i)
     e[static_cast<size_t>(i)] = ei.dtype == kCodes.i32 ? reinterpret_cast<const int32_t*>(base)[i * ei.stride[0]]
                                                        : reinterpret_cast<const int64_t*>(base)[i * ei.stride[0]];
-  const sa::ConstMatrix wm{wi.data(), g * o, h, row, sa::DType::bf16};
+  int64_t rows = 0;
+  if (__builtin_mul_overflow(g, o, &rows)) fail(Kind::value, op, "w has more rows than int64 holds, shape ", Shape{wi});
+  const sa::ConstMatrix wm{wi.data(), rows, h, row, sa::DType::bf16};
   bool ran = false;
   call_core(op, [&] {
     ran = sa::small_matmul_grouped(matrix_of(oi), matrix_of(xi), wm, e.data(), g, Cpu::options(std::nullopt));

@@ -51,16 +51,19 @@ bool small_matmul_grouped(const Matrix& y, const ConstMatrix& x, const ConstMatr
   if (fn == nullptr) return false;
   const int64_t o = w.rows / groups;
   if (y.rows == 0 || o == 0) return true;
+  // The checked ends, copied: the caller's array may lie in y, which the blocks write.
+  const std::vector<int64_t> end(ends, ends + groups);
   double bytes = 0;  // the weights of the blocks with rows, each read once
-  for (int64_t g = 0, start = 0; g < groups; start = ends[g++])
-    if (ends[g] > start) bytes += static_cast<double>(o) * static_cast<double>(w.cols) * 2.0;
+  for (int64_t g = 0, start = 0; g < groups; start = end[static_cast<size_t>(g++)])
+    if (end[static_cast<size_t>(g)] > start) bytes += static_cast<double>(o) * static_cast<double>(w.cols) * 2.0;
   by_column_lines(options, o, bytes, [&](int64_t o0, int64_t o1) {
-    for (int64_t g = 0, start = 0; g < groups; start = ends[g++]) {
-      if (ends[g] == start) continue;
+    for (int64_t g = 0, start = 0; g < groups; start = end[static_cast<size_t>(g++)]) {
+      const int64_t stop = end[static_cast<size_t>(g)];
+      if (stop == start) continue;
       const cpu::SmallMatmulJob job{static_cast<uint16_t*>(y.data) + start * y.row_stride, y.row_stride,
                                     static_cast<const uint16_t*>(x.data) + start * x.row_stride, x.row_stride,
                                     static_cast<const uint16_t*>(w.data) + g * o * w.row_stride, w.row_stride,
-                                    ends[g] - start, x.cols, nullptr};
+                                    stop - start, x.cols, nullptr};
       fn(job, o0, o1);
     }
   });

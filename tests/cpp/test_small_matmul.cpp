@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -212,6 +213,25 @@ TEST(SmallMatmulGrouped, BlocksHaveTheBitsOfOneCallEach) {
         else ASSERT_TRUE(std::equal(first.begin(), first.end(), y.bytes.begin())) << "threads=" << threads;
       }
     }
+}
+
+// The ends may lie in y's memory (the C++ caller's choice): they are read before y is written.
+TEST(SmallMatmulGrouped, EndsInsideYAreReadBeforeTheWrites) {
+  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx2";
+  std::mt19937_64 rng(31);
+  const int64_t m = 8, o = 16, h = 32, groups = 3;
+  Buf x = random_buf(DType::bf16, static_cast<size_t>(m * h), rng), w = random_buf(DType::bf16, static_cast<size_t>(groups * o * h), rng);
+  std::vector<int64_t> store(static_cast<size_t>(m * o * 2 / 8));  // y's bf16 elements, 8-byte aligned
+  int64_t* ends = store.data();
+  ends[0] = 2, ends[1] = 5, ends[2] = 8;
+  const int64_t want_ends[] = {2, 5, 8};
+  Buf want = random_buf(DType::bf16, static_cast<size_t>(m * o), rng);
+  const sa::ConstMatrix xm{x.data(), m, h, h, DType::bf16}, wm{w.data(), groups * o, h, h, DType::bf16};
+  ASSERT_TRUE(sa::small_matmul_grouped({want.data(), m, o, o, DType::bf16}, xm, wm, want_ends, groups));
+  sa::Options one;
+  one.num_threads = 1;
+  ASSERT_TRUE(sa::small_matmul_grouped({store.data(), m, o, o, DType::bf16}, xm, wm, ends, groups, one));
+  ASSERT_EQ(0, std::memcmp(store.data(), want.data(), static_cast<size_t>(m * o * 2)));
 }
 
 TEST(SmallMatmulGrouped, BadInputNamesTheArgumentAndLeavesYUntouched) {

@@ -350,3 +350,28 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, oned
             want = torch.mm(gate(torch.mm(x, w_in[e].t())), w_out[e].t())
             torch.testing.assert_close(ys[start:end], want, rtol=0, atol=0)
         start = end
+
+
+def test_experts_loop_gate_output_in_any_layout_keeps_each_blocks_product(sa, monkeypatch):
+    """A gate whose output rows are not contiguous (column-major here) leaves the down products
+    to torch.mm block by block, as the per-block loop does: the grouped call takes rows with unit
+    column stride only, and the result has the per-block loop's bits."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_AMX", False)
+    monkeypatch.setattr(moe, "_ONEDNN_BF16", False)
+    monkeypatch.setattr(moe, "_small_kernel", served(sa))
+    g = torch.Generator().manual_seed(8)
+    e_count, hidden, inter = 4, 256, 128
+    w_in = (0.1 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
+    w_out = (0.1 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
+    ends = torch.tensor([3, 5, 8, 10])
+    xs = torch.randn(10, hidden, generator=g).bfloat16()
+
+    def gate(h):
+        return (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).t().contiguous().t()
+
+    with torch.no_grad():
+        ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+        monkeypatch.setattr(moe, "_small_grouped", lambda *args: False)
+        want = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    assert torch.equal(ys.view(torch.int16), want.view(torch.int16))

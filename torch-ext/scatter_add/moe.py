@@ -422,7 +422,7 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
         if not transposed and b_in is None and b_out is None:
             offs, longest = _group_offsets(x, ends, g), max(stop - start for _, start, stop in g)
             if _small_grouped(x, w_in, g[0][0], offs, longest, buf[:end - first]):
-                a = gate(buf[:end - first]).contiguous()
+                a = gate(buf[:end - first])
                 if _small_grouped(a, w_out, g[0][0], offs, longest, ys[first:end]):
                     continue
         for e, start, stop in g:
