@@ -4,7 +4,6 @@ experts loop: logits, every gradient, bf16 error against float64, bitwise result
 counts, greedy generation, torch.compile, expert-parallel sentinels, the decorator's other flags
 (no gate, post-expert norm) and bad input."""
 import copy
-import os
 import subprocess
 import sys
 
@@ -285,47 +284,6 @@ def outputs_per_thread_count(make, run, counts=(1, 2)):
 
 def bitwise_equal(a, b):
     return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
-
-
-def vm_flags(addr):
-    """The VmFlags of this process's mapping that holds addr (/proc/self/smaps), or None."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split(" ", 1)[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    return None
-
-
-def test_weight_gradients_are_advised_as_huge_pages(sa, name, monkeypatch):
-    """The block-by-block backward takes each expert weight's gradient from _weight_grad: fresh
-    memory, written whole, whose 2 MiB pages are advised as transparent huge pages before the
-    first write (on Linux the advice reaches the mapping: VmFlags hg). The gradients are those
-    of eager (test_gradients_match_eager); here, that the advice is asked and given."""
-    moe = sa.moe
-    monkeypatch.setattr(moe, "_grouped_ok", lambda *args: False)  # the block-by-block backward
-    seen = []
-    real = moe._weight_grad
-    monkeypatch.setattr(moe, "_weight_grad", lambda w: seen.append(tuple(w.shape)) or real(w))
-    ex, (h, idx, w) = capture_experts_inputs(build("mixtral"), tokens())
-    ex.config._experts_implementation = name
-    ex(h.requires_grad_(True), idx, w).square().sum().backward()
-    assert sorted(seen) == sorted([tuple(ex.gate_up_proj.shape), tuple(ex.down_proj.shape)])
-    assert ex.gate_up_proj.grad is not None and ex.down_proj.grad is not None
-
-    big = torch.empty(9, 1024, 1024, dtype=torch.bfloat16)[:8]  # 16 MiB
-    g = real(big)
-    assert g.shape == big.shape and g.dtype == big.dtype and g.stride() == big.stride()
-    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if not sys.platform.startswith("linux") or not os.path.exists("/proc/self/smaps") or not os.path.exists(thp):
-        pytest.skip("no transparent huge pages to advise here (not Linux, or a kernel without them)")
-    page = 2 << 20
-    inner = -(-g.data_ptr() // page) * page
-    assert inner + page <= g.data_ptr() + g.nbytes
-    assert "hg" in (vm_flags(inner) or []), (open(thp).read(), vm_flags(inner))
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -45,7 +45,6 @@ block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_product
 whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call per product
 (_small_grouped), with the same bits.
 """
-import sys
 from typing import List, Optional
 
 import torch
@@ -290,48 +289,6 @@ def _blocks(offsets):
         start = end
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # Linux's value
-_madvise = None  # libc's madvise where there is one (Linux), looked up on first use; False elsewhere
-
-
-def _weight_grad(weight):
-    """An uninitialised gradient like an expert weight (the backward then writes every slice: its
-    block's products, or _idle_zero), its whole 2 MiB pages advised as transparent huge pages
-    before anything touches them (_advise_huge). A weight gradient is fresh memory each backward,
-    and its first write pays a page fault per 4 KiB: at Qwen3-MoE's sizes (128 experts, 288 MB of
-    bf16 weights) zeroing the idle experts' slices took 111 ms of a one-token backward, 450 us
-    per 1.5 MB slice (3.3 GB/s). With the advice, a Qwen3-MoE block's forward+backward at one
-    token took 68-75 ms against 147-148 ms (grouped_mm 161-181 ms in the same runs), Mixtral's 55
-    ms (grouped_mm 203 ms); bf16, two threads, an EPYC without AVX-512, medians of 5."""
-    out = torch.empty_like(weight)
-    if (out.device.type == "cpu" and out.nbytes >= 4 * _HUGE_PAGE and type(out) is torch.Tensor
-            and not torch._C._len_torch_dispatch_stack()):
-        _advise_huge(out.data_ptr(), out.nbytes)
-    return out
-
-
-def _advise_huge(ptr: int, nbytes: int) -> None:
-    """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages in [ptr, ptr + nbytes): where the kernel
-    has transparent huge pages for advised memory (enabled = madvise or always), the first touch
-    of each maps 2 MiB at once. Advice only: where it fails or is not heard, nothing changes."""
-    global _madvise
-    if _madvise is None:
-        _madvise = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-                fn = ctypes.CDLL(None, use_errno=True).madvise
-                fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-                _madvise = fn
-            except (OSError, AttributeError):
-                pass
-    start = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
-    end = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-    if _madvise and end > start:
-        _madvise(start, end - start, _MADV_HUGEPAGE)
-
-
 def _idle_zero(grad_w, blocks):
     """Zeroes the slices of a per-expert gradient that no block writes (experts without rows).
     The others are written whole by their products: no full-size fill first (at Mixtral's sizes
@@ -559,8 +516,8 @@ class _Experts(torch.autograd.Function):
         if ctx.grouped and rows:
             return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, h, a, need_x, need_w_in, need_w_out)
         grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
-        grad_w_in = _idle_zero(_weight_grad(w_in), blocks) if need_w_in else None
-        grad_w_out = _idle_zero(_weight_grad(w_out), blocks) if need_w_out else None
+        grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
+        grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
         grad_b_in = w_in.new_zeros(w_in.shape[0], _out_features(w_in, tr)) if need_b_in else None
         grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
         # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
@@ -628,7 +585,7 @@ def _grouped_linear_backward_impl(grad: torch.Tensor, x: torch.Tensor, weight: t
     grad = grad.to(x.dtype)
     blocks = list(_blocks(offsets))
     grad_x = _unwritten_zero(torch.empty_like(x), blocks) if need_x else x.new_empty(0)
-    grad_w = _idle_zero(_weight_grad(weight), blocks) if need_weight else weight.new_empty(0)
+    grad_w = _idle_zero(torch.empty_like(weight), blocks) if need_weight else weight.new_empty(0)
     grad_b = (weight.new_zeros(weight.shape[0], _out_features(weight, transposed)) if need_weight and has_bias
               else weight.new_empty(0))
     for e, start, end in blocks:
