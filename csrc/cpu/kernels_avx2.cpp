@@ -236,18 +236,18 @@ void matmul_rows(const SmallMatmulJob& j, int64_t i, int64_t o0, int64_t o1) {
 
 // w rows [o0, o1) in tiles of kTile rows (16 KiB at h = 1024: they stay in L1 / L2 while every
 // pair of x rows passes over them). One or two rows of x (decode) are bound by reading w from
-// memory: there w is read one row at a time, front to back, which the hardware prefetcher
-// follows better than 4 or 8 rows read side by side. The price is one FMA chain in flight, so a
-// w already in the cache is read 2-3.5x slower than 8 rows at a time; an MoE layer's experts are
-// not (they pass the caches between two uses), and there this pays. An EPYC without AVX-512, two
-// threads: GB/s of w over 50 random experts of 768 x 1024 and 1024 x 384 in turn, one w row at a
-// time / 8 at a time, 12.8-18.3 / 10.2-16.9 at one x row, 11.4-12.4 / 8.7-11.8 at two (one
-// expert again and again: 21-27 / 44-80); transformers' blocks against grouped_mm, three
-// alternated runs of 12 rounds, Qwen3-MoE 1 token 1.26-1.34x / 1.00-1.25x, 8 tokens 1.46-1.53x / 0.98-1.20x, Mixtral 1
-// token 1.03-1.13x / 1.03-1.14x, 8 tokens 1.78-1.82x / 1.55-1.68x. From three rows on the
-// products bound it, and 4 w rows per x pair pass fewer loads per FMA (16 rows of x: 54 GFLOPS
-// against 36 one w row at a time). Every element is one chain of FMAs in column order either
-// way: the same bits.
+// memory: there w is read one row at a time, front to back, which the hardware prefetcher follows
+// better than 4 or 8 rows read side by side. The price is one FMA chain in flight, so a w already
+// in the cache is read 2-3.5x slower than 8 rows at a time; an MoE layer's experts are not (they
+// pass the caches between two uses), and there this pays. An EPYC without AVX-512, two threads:
+// GB/s of w over 50 random experts of 768 x 1024 and 1024 x 384 in turn, one w row at a time / 8
+// at a time, 12.8-18.3 / 10.2-16.9 at one x row, 11.4-12.4 / 8.7-11.8 at two (one expert again and
+// again: 21-27 / 44-80); transformers' blocks against grouped_mm, three alternated runs of 12
+// rounds, Qwen3-MoE 1 token 1.26-1.34x / 1.00-1.25x, 8 tokens 1.46-1.53x / 0.98-1.20x, Mixtral 1
+// token 1.03-1.13x / 1.03-1.14x, 8 tokens 1.78-1.82x / 1.55-1.68x. From three rows on the products
+// bound it, and 4 w rows per x pair pass fewer loads per FMA (16 rows of x: 54 GFLOPS against 36
+// one w row at a time). Every element is one chain of FMAs in column order either way: the same
+// bits.
 void small_matmul(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
   if (j.m <= 2) {
     if (j.m == 2)
