@@ -215,9 +215,9 @@ def test_bf16_error_no_worse_than_eager(sa, name, model):
 def test_bf16_gradients_by_own_products(sa, name, model, monkeypatch):
     """Where torch has no oneDNN bf16 product (AVX2 CPUs; forced here on any CPU with the kernels)
     every product of a bf16 block, forward and backward, is this library's small_matmul (or
-    small_matmul_grouped) / small_matmul_nn, which read the weights as they lie (GPT-OSS's transposed ones and biases
-    included). The gradients of the
-    input, every expert weight and bias against the eager loop in float64 on the same routing:
+    small_matmul_grouped) / small_matmul_nn, which read the weights as they lie (GPT-OSS's
+    transposed ones and biases included). The gradients of the input, every expert weight and
+    bias against the eager loop in float64 on the same routing:
     ours' relative RMS error at most 1.5x eager's bf16 one (or 2^-8), and the kernels ran."""
     moe = sa.moe
     if not moe._kernel_here():
