@@ -272,11 +272,18 @@ double sampled_load(const IndexVector& index, int64_t n, std::optional<int64_t> 
   return std::max(lambda, static_cast<double>(k) * chance);
 }
 
+bool direct_deals(const AddShape& s, int nt) {
+  const double row_bytes = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype));
+  return nt == 2 && dtype_size(s.dtype) == 2 && row_bytes <= static_cast<double>(P::kDealMaxRowBytes) &&
+         static_cast<double>(s.k) * (16.0 + row_bytes) <= static_cast<double>(P::kDealMaxBytes);
+}
+
 bool direct_row_split_pays(const AddShape& s, int nt) {
   // Neither the walk nor the source stream divides: the prefetchers stream every source row into
   // each thread, its own or not.
   const double per_entry = estimate_ns(s, Strategy::direct) / static_cast<double>(std::max<int64_t>(s.k, 1));
   const double src = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * P::kNsPerByteStream;
+  if (direct_deals(s, nt)) return per_entry * (nt - 1) / nt > P::kDealNsPerEntry;
   return (per_entry - P::kDirectNsPerEntry - src) * (nt - 1) > P::kRowSplitSkipNs;
 }
 

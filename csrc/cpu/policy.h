@@ -163,6 +163,25 @@ struct CpuPolicy {
   // one thread and 7.8-8.7 ms on two (about 5.5 ns more per entry, half of them mispredicted);
   // N = 10k, K = 10k, D = 8 float32 36-57 us and 94-96 us.
   static constexpr double kRowSplitSkipNs = 11.0;
+  // bf16/fp16 on two threads, rows of at most kDealMaxRowBytes: a row split first deals the
+  // entries out to their rows' threads (direct_deals), as copies of at most kDealMaxBytes (kept
+  // between calls like the scratch), and then each thread walks only its own; it pays where the
+  // walk's estimate per entry, halved, exceeds kDealNsPerEntry. On the 2-vCPU EPYC (no AVX-512),
+  // torch 2.13, through the Python API, medians of 15 calls, one thread walking alone -> every
+  // thread walking the whole index and skipping the other's entries -> dealt, bf16, uniform
+  // unless named: D = 1 N = 1M K = 100k 0.91-0.97 -> 1.01-1.04 -> 0.67-0.69 ms (index_add_
+  // 0.85-0.91), zipf 0.70-0.74 -> 0.88 -> 0.65-0.66 ms; N = 300k K = 100k 0.97-0.99 -> 0.73-0.74
+  // dealt; N = 4M K = 100k 1.56-1.73 -> 1.41-1.46 -> 0.98-1.18 ms; D = 4 N = 1M K = 100k
+  // 1.69-1.83 -> 1.55 -> 1.07-1.26 ms. Dealing itself took about 2 ns per entry of wall time
+  // (K = 1M: counting 0.36 ms, copies 1.63 ms). It lost where the estimate per entry is 4.5 to 6.5
+  // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms) and won from 8.8 ns on (N = 100k K = 1M D = 8 zipf,
+  // N = 1M K = 1M D = 8 zipf 11.4 -> 10.0 ms), so 3.5 ns. float32 and float64 deal nowhere:
+  // their walk is cheaper per entry than the model says, and dealt splits were slower than one
+  // thread at every shape tried (float32 N = 30k K = 20k D = 16 0.092 -> 0.161 ms, float64 N = 200k
+  // K = 30k D = 8 0.187 -> 0.277 ms, float32 N = 200k K = 30k D = 16 0.188 -> 0.257 ms).
+  static constexpr int64_t kDealMaxRowBytes = 64;
+  static constexpr int64_t kDealMaxBytes = 32 << 20;
+  static constexpr double kDealNsPerEntry = 3.5;
   // The direct walk prefetches destination rows ahead only when out is larger than this (a
   // cache-resident out gains nothing and the prefetch costs a third of a D = 1 walk).
   static constexpr int64_t kPrefetchAboveBytes = 1 << 20;

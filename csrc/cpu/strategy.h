@@ -70,8 +70,16 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads);
 // walk the whole index and skip the other threads' entries, a branch that a spread index
 // mispredicts about 1 / nt of the time: it pays only when the work per entry that it divides
 // (estimate_ns less the walk itself and the source stream), W, outweighs that:
-// W (nt - 1) > kRowSplitSkipNs.
+// W (nt - 1) > kRowSplitSkipNs. Where the split deals (direct_deals), each thread walks only its
+// own entries after a copy costing about kDealNsPerEntry each: it pays when the walk's estimate
+// per entry E gives E (nt - 1) / nt > kDealNsPerEntry.
 bool direct_row_split_pays(const AddShape& s, int nt);
+// Whether a row split of the direct walk on nt threads deals the entries out to their rows'
+// threads first (strategy_direct.cpp): bf16/fp16 on two threads, rows of at most
+// CpuPolicy::kDealMaxRowBytes, and the copies (at most 8 bytes of index value and of weight per
+// entry) in CpuPolicy::kDealMaxBytes. Such a split costs about CpuPolicy::kDealNsPerEntry per
+// entry and divides the whole walk (direct_row_split_pays then weighs that instead of the skips).
+bool direct_deals(const AddShape& s, int nt);
 // Whether a bf16/fp16 direct walk of k entries into n > k rows of d columns sums in touched slots
 // (a float32 slot per row, filled from out by the row's first contribution) rather than sparse
 // ones (a pass over the index first finds the rows named more than once; only those get a slot):

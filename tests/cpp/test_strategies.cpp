@@ -199,6 +199,86 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   EXPECT_FALSE(sa::cpu::direct_row_split_pays({100000, 1000000, 1, DType::f32}, 2));
 }
 
+// bf16/fp16 on two threads: a row split that deals the entries out to their rows' threads first
+// (each shape asserts that it does), with sparse, touched and dense scratches, ignored entries
+// below and above the split, strided rows, weights, both index types; and one thread walking
+// while both copy a large scratch in and back. Against the reference, and on one thread.
+TEST(Strategies, TwoThreadRowSplitsGiveTheContractBits) {
+  struct Shape {
+    int64_t n, k, d;
+    Pattern p;
+    bool dealt;  // else: one thread walks, two copy
+  };
+  const Shape shapes[] = {
+      {200000, 30000, 1, Pattern::uniform, true},  // sparse scratch
+      {200000, 30000, 1, Pattern::zipf, true},
+      {30000, 20000, 16, Pattern::uniform, true},  // touched slots
+      {100000, 300000, 8, Pattern::zipf, true},    // dense, marked
+      {60000, 40000, 4, Pattern::uniform, true},
+      {100000, 100000, 1, Pattern::uniform, false},  // dense, compared with its snapshot
+      {150000, 100000, 1, Pattern::uniform, false},  // touched
+  };
+  uint64_t seed = 350;
+  for (const Shape& sh : shapes)
+    for (DType t : {DType::bf16, DType::f16}) {
+      const int64_t n = sh.n, k = sh.k, d = sh.d;
+      sa::Options two;
+      two.num_threads = 2;
+      const sa::cpu::DirectSplit split = sa::cpu::direct_split({n, k, d, t}, two, false);
+      if (sh.dealt) {
+        ASSERT_TRUE(split.rows && sa::cpu::direct_deals({n, k, d, t}, 2)) << sa::dtype_name(t) << " N=" << n << " D=" << d;
+      } else {
+        ASSERT_EQ(split.threads, 1) << sa::dtype_name(t) << " N=" << n << " D=" << d;
+      }
+      for (int variant = 0; variant < 4; ++variant) {
+        const bool weighted = variant & 1, i64 = variant & 2;
+        // ignored entries at -1, or at a row of the upper half (counted apart from that thread's)
+        const int64_t ign = variant < 2 ? int64_t(-1) : n / 2 + 3;
+        const int64_t os = d + (variant == 1 ? 3 : 0), ss = d + (variant == 2 ? 5 : 0);
+        std::mt19937_64 rng(seed++);
+        const Buf out0 = special_buf(t, static_cast<size_t>(n * os), rng);
+        const Buf src = special_buf(t, static_cast<size_t>(k * ss), rng);
+        std::vector<int64_t> iv = make_indices(sh.p, n, k, rng);
+        for (int64_t i = 0; i < k; ++i)
+          if (iv[static_cast<size_t>(i)] == ign || i % 7 == 3) iv[static_cast<size_t>(i)] = ign;
+        const Idx idx = make_idx(i64 ? IndexType::i64 : IndexType::i32, iv);
+        const std::vector<float> w = special_weights(k, rng);
+        Buf want = out0;
+        reference_add(want, n, d, os, src, ss, iv, weighted ? w.data() : nullptr, ign);
+        for (int threads : {1, 2}) {
+          Buf out = out0;
+          sa::Options opt;
+          opt.strategy = sa::Strategy::direct;
+          opt.num_threads = threads;
+          opt.ignore_index = ign;
+          sa::index_add_rows(mat(out, n, d, os), idx.view(), cmat(src, k, d, ss),
+                             {weighted ? w.data() : nullptr, k, DType::f32}, opt);
+          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " N=" << n << " K=" << k << " D=" << d
+                                           << " variant=" << variant << " threads=" << threads;
+        }
+      }
+    }
+  // Every entry in the upper half's rows, or none: one thread's share of the split is empty.
+  for (DType t : {DType::bf16, DType::f16})
+    for (bool upper : {false, true}) {
+      const int64_t n = 200000, k = 30000;
+      std::mt19937_64 rng(seed++);
+      const Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
+      const Buf src = special_buf(t, static_cast<size_t>(k), rng);
+      std::vector<int64_t> iv = make_indices(Pattern::uniform, n, k, rng);
+      for (int64_t& r : iv) r = upper ? n / 2 + r / 2 : r / 2;
+      const Idx idx = make_idx(IndexType::i32, iv);
+      Buf want = out0;
+      reference_add(want, n, 1, 1, src, 1, iv, nullptr, std::nullopt);
+      Buf out = out0;
+      sa::Options opt;
+      opt.strategy = sa::Strategy::direct;
+      opt.num_threads = 2;
+      sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(src, k, 1, 1), {}, opt);
+      ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (upper ? " upper" : " lower");
+    }
+}
+
 // One column of an output larger than the caches (rows prefetched ahead of the walk): the direct
 // walk's column kernels, in place (float32/float64) and through a dense or sparse scratch (bf16,
 // fp16), against the reference.
