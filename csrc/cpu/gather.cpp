@@ -107,7 +107,7 @@ bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_
     return *env == '1';
   const double src_bytes = row_bytes * static_cast<double>(std::min(x.rows, k));
   const int64_t l3 = store_keeping_l3_bytes();
-  if (l3 > 0 && dst_bytes + src_bytes < static_cast<double>(l3)) return false;
+  if (l3 > 0 && (active_isa() < Isa::avx512 || dst_bytes + src_bytes < static_cast<double>(l3))) return false;
   const size_t es = dtype_size(dst.dtype);
   return pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + dst.cols)) * es);
 }

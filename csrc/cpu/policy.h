@@ -34,6 +34,14 @@ struct CpuPolicy {
   // 130.6). With a source of 16 MiB beside a 16 MiB dst streaming still won (1.19-1.49x of
   // index_select, plain 0.9-1.1x). So on AMD a dst streams only when dst and source rows
   // together fill the L3 (gather.cpp, stream_pays); kAssumedL3Bytes where sysfs does not say.
+  // And only with the AVX-512 kernels (64-byte streaming stores): on an EPYC without AVX-512
+  // (2 vCPUs, 32 MiB L3) the AVX2 kernels' streaming lost at every size tried, a new dst per
+  // call as index_select has, medians of 25 alternated calls, plain -> streamed (index_select):
+  // float32 N = K = 16384 D = 256 615 -> 916 us (598-690), N = K = 4096 D = 1024 790 -> 910 us
+  // (661-808), N = K = 32768 D = 128 847 -> 938 us (890-947), bfloat16 N = K = 16384 D = 256
+  // 233 -> 290 us (244-266); 64 MiB results, where page faults of the new dst take most of the
+  // call, 23.0 -> 25.5 ms and 27.0 -> 29.6 ms (float32 D = 256 and D = 64), 128 MiB 49.0 -> 47.6
+  // ms (D = 1024).
   static constexpr int64_t kStreamAboveBytes = 4 << 20;
   static constexpr int64_t kAssumedL3Bytes = 32 << 20;
   static constexpr int64_t kStreamMinRowBytes = 256;
