@@ -182,8 +182,10 @@ struct CpuPolicy {
   // dealt; N = 4M K = 100k 1.56-1.73 -> 1.41-1.46 -> 0.98-1.18 ms; D = 4 N = 1M K = 100k
   // 1.69-1.83 -> 1.55 -> 1.07-1.26 ms. Dealing itself took about 2 ns per entry of wall time
   // (K = 1M: counting 0.36 ms, copies 1.63 ms). It lost where the estimate per entry is 4.5 to 6.5
-  // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms) and won from 8.8 ns on (N = 100k K = 1M D = 8 zipf,
-  // N = 1M K = 1M D = 8 zipf 11.4 -> 10.0 ms), so 3.5 ns. float32 and float64 deal nowhere:
+  // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms); at 8.7 to 8.8 ns it went either way (N = K = 1M
+  // D = 4 14.8-15.7 -> 9.5-9.8 ms, N = 52429 K = 524288 D = 8 2.63-2.77 -> 2.80-2.85 ms, N = 100k
+  // K = 1M D = 8 zipf 4.7-5.7 ms both ways); the cells above, at 10.5 to 16.8 ns, and N = K = 1M
+  // D = 8 zipf (11.6 ns, 11.4 -> 10.0 ms) won; so 3.5 ns. float32 and float64 deal nowhere:
   // their walk is cheaper per entry than the model says, and dealt splits were slower than one
   // thread at every shape tried (float32 N = 30k K = 20k D = 16 0.092 -> 0.161 ms, float64 N = 200k
   // K = 30k D = 8 0.187 -> 0.277 ms, float32 N = 200k K = 30k D = 16 0.188 -> 0.257 ms).
