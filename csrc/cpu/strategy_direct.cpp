@@ -11,7 +11,10 @@
 // Threads: each thread owns a range of columns of every row (when rows are wide enough for whole
 // cache lines per thread) or, when the rows' work outweighs every thread walking the whole index,
 // a range of rows, cut where the index's per-block counts balance the work; either way each output
-// element has one owner and one summation order. Otherwise one thread walks alone.
+// element has one owner and one summation order. bf16/fp16 rows of at most 64 bytes split over two
+// threads deal the entries out to the rows' owners first, so each walks only its own (any other
+// row split has every thread walk the whole index and skip the others' entries). Otherwise one
+// thread walks alone, and a float32 scratch's copies in and back still divide over the threads.
 #include <algorithm>
 #include <cstring>
 #include <exception>
