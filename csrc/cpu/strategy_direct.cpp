@@ -170,8 +170,6 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   });
 }
 
-}  // namespace
-
 // A row split of narrow rows over two threads deals the entries out to the thread that owns each
 // entry's row (rows below `cut`: the first) as copies of the index value, source row and weight,
 // the first thread's entries and then the second's, each in increasing source order. An entry at
@@ -230,6 +228,8 @@ void deal_entries(const I* __restrict idx, int64_t i0, int64_t i1, const unsigne
     p1 += keep & second;
   }
 }
+
+}  // namespace
 
 void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
                 const Options& o, const IndexScan& first) {
