@@ -211,10 +211,11 @@ Strategy cheapest_add(const AddShape& s, const CostModel& m) {
 
 DirectSplit direct_split(const AddShape& s, const Options& o, bool sorted) {
   const double bytes = static_cast<double>(s.k) * static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * 3.0;
-  DirectSplit split{s.d == 0 ? 1 : threads_for(o, bytes), false, false};
+  DirectSplit split{s.d == 0 ? 1 : threads_for(o, bytes), false, false, false};
   const int nt = split.threads;
   split.columns = nt > 1 && s.d * static_cast<int64_t>(dtype_size(s.dtype)) >= nt * P::kMinColumnShareBytes;
   split.rows = nt > 1 && !split.columns && !sorted && direct_row_split_pays(s, nt);
+  split.rows_when_balanced = split.columns && !sorted;
   if (nt > 1 && !split.columns && !split.rows && !sorted) split.threads = 1;  // one thread walks alone
   return split;
 }

@@ -165,6 +165,19 @@ struct CpuPolicy {
   // threads, wall time, D = 1024 float32 (2 KB shares) N = 41 / 4096, K = 4096: 1.3x / 1.7x
   // faster than one; D = 256 float32 (512 B shares) N = 164, K = 16384: 0.65x to 1x.
   static constexpr int64_t kColumnShareScalesBytes = 2048;
+  // Rows that wide split by ranges of rows instead (every thread walks the whole index and skips
+  // the others' entries, cheap beside a row's work) when a sample of the index gives no thread
+  // more than Num / Den of an equal share of the entries; a hot row that unbalances the ranges
+  // keeps the column split. On the 2-vCPU EPYC (no AVX-512), two cores adding into float32 rows
+  // near each other's were slower than one: a C loop of row adds, K = N = 256, D = 1024, two
+  // threads against one, columns of every row 3.1x slower, alternate rows 1.8x slower, blocks of
+  // 4 rows (16 KiB) even, of 16 rows 1.5x faster, halves of the rows 1.8x faster. Through the
+  // Python API, two threads, medians, uniform index, columns -> ranges of rows (index_add_):
+  // float32 N = K = 64 D = 4096 63.3 -> 27.7 us (39.5), N = K = 256 D = 1024 121 -> 24.3 us (58.3),
+  // N = K = 1024 D = 256 151 -> 30.0 us (76.0); sorted N = 64 K = 4096 D = 1024 234 -> 183 us
+  // (236). Memory-bound shapes (out of 80 MB and more) and bf16 (summed in a scratch) were even.
+  static constexpr int64_t kRowsBalanceNum = 5;
+  static constexpr int64_t kRowsBalanceDen = 4;
   // Direct, rows too narrow for that: a row split costs each thread this much per mispredicted
   // skip of another thread's entry. Measured with 1 and 2 threads (wall time, idle 2-core Xeon),
   // where every thread walks the whole index: N = 100k, K = 1M, D = 1 float32 took 2.3-2.4 ms on

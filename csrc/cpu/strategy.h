@@ -57,8 +57,21 @@ Strategy cheapest_add(const AddShape& s, const CostModel& m);
 struct DirectSplit {
   int threads;
   bool columns, rows;
+  // Wide rows of an unsorted index (columns): run_direct gives the threads ranges of rows
+  // instead where a sample of the index shows those ranges balanced.
+  bool rows_when_balanced;
 };
 DirectSplit direct_split(const AddShape& s, const Options& o, bool sorted);
+// A row split of the direct walk into nt ranges of blocks of 2^shift rows, cut at equal shares of
+// a sample of CpuPolicy::kBalanceSamples index entries (plus one per block, so that an index
+// concentrated in few blocks still spreads the rows): thread t takes blocks [cut[t], cut[t + 1]).
+// balanced: no range holds more than kRowsBalanceNum / kRowsBalanceDen of an equal share of the
+// sampled entries (a split never changes the bits, so an estimate of the balance is enough).
+struct RowCut {
+  std::vector<int64_t> cut;
+  bool balanced;
+};
+RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift);
 // The same on up to `threads` threads, as each strategy divides its work: a plan's rows over the
 // threads threads_for gives them (its sort on one), the direct walk only where run_direct splits
 // its rows, or its columns in shares of CpuPolicy::kColumnShareScalesBytes or more (narrower

@@ -8,9 +8,10 @@
 //   A sorted (non-decreasing) index, any dtype: each row's contributions are one run of
 //     consecutive sources, summed in registers like a planned row and rounded once, with no sort
 //     and no scratch.
-// Threads: each thread owns a range of columns of every row (when rows are wide enough for whole
-// cache lines per thread) or, when the rows' work outweighs every thread walking the whole index,
-// a range of rows, cut where the index's per-block counts balance the work; either way each output
+// Threads: each thread owns a range of rows, cut where the index's per-block counts balance the
+// work, when rows are wide enough for whole cache lines per thread and a sample of the index shows
+// the ranges balanced, or when narrower rows' work outweighs every thread walking the whole index;
+// wide rows that do not balance (a hot row) split by columns of every row. Either way each output
 // element has one owner and one summation order. bf16/fp16 rows of at most 64 bytes split over two
 // threads deal the entries out to the rows' owners first, so each walks only its own (any other
 // row split has every thread walk the whole index and skip the others' entries). Otherwise one
@@ -33,8 +34,10 @@ namespace cpu {
 
 namespace {
 
-int block_shift_for(int64_t n) {
-  int shift = 6;  // whole bitmap words per block
+// Rows per block of a row split: 2^shift, whole bitmap words for bf16/fp16 (their threads own
+// whole words of the bitmaps), single rows allowed otherwise.
+int block_shift_for(int64_t n, bool narrow) {
+  int shift = narrow ? 6 : 0;
   while ((n >> shift) >= CpuPolicy::kMaxBlocks) ++shift;
   return shift;
 }
@@ -157,6 +160,17 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     while (i > 0 && i < k && value(i) == value(i - 1)) ++i;
     return i;
   };
+  // Wide rows too take shares of the entries when the runs cut them into shares of at most
+  // kRowsBalanceNum / kRowsBalanceDen of an equal one (so threads write rows far apart, see
+  // CpuPolicy::kRowsBalanceNum); else columns of every run.
+  std::vector<int64_t> from(static_cast<size_t>(nt) + 1, k);
+  from[0] = 0;
+  for (int t = 1; t < nt; ++t) from[static_cast<size_t>(t)] = run_start(k * t / nt);
+  if (split_columns) {
+    int64_t most = 0;
+    for (int t = 0; t < nt; ++t) most = std::max(most, from[static_cast<size_t>(t) + 1] - from[static_cast<size_t>(t)]);
+    if (most * nt * CpuPolicy::kRowsBalanceDen <= k * CpuPolicy::kRowsBalanceNum) split_columns = false;
+  }
   parallel_run(nt, [&](int t, int nth) {
     if (split_columns) {
       const int64_t align = CpuPolicy::kColumnAlign;
@@ -164,7 +178,8 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       const int64_t c1 = t + 1 == nth ? d : std::min(d, (d * (t + 1) / nth + align - 1) / align * align);
       if (c0 < c1) runs(job, 0, k, c0, c1);
     } else {
-      const int64_t i0 = run_start(k * t / nth), i1 = t + 1 == nth ? k : run_start(k * (t + 1) / nth);
+      const int64_t i0 = nth == nt ? from[static_cast<size_t>(t)] : run_start(k * t / nth);
+      const int64_t i1 = nth == nt ? from[static_cast<size_t>(t) + 1] : t + 1 == nth ? k : run_start(k * (t + 1) / nth);
       if (i0 < i1) runs(job, i0, i1, 0, d);
     }
   });
@@ -231,6 +246,45 @@ void deal_entries(const I* __restrict idx, int64_t i0, int64_t i1, const unsigne
 
 }  // namespace
 
+RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift) {
+  const int64_t k = index.size;
+  std::vector<int64_t> blocks(static_cast<size_t>((n >> shift) + 1));
+  const int64_t step = std::max<int64_t>(1, k / CpuPolicy::kBalanceSamples);
+  auto sample = [&](const auto* idx) {
+    for (int64_t i = 0; i < k; i += step) {
+      const int64_t r = static_cast<int64_t>(idx[i]);
+      if (r >= 0 && r < n) ++blocks[static_cast<size_t>(r >> shift)];
+    }
+  };
+  if (index.type == IndexType::i64)
+    sample(static_cast<const int64_t*>(index.data));
+  else
+    sample(static_cast<const int32_t*>(index.data));
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  int64_t total = 0;
+  for (int64_t b = 0; b < nb; ++b) total += blocks[static_cast<size_t>(b)] + 1;
+  RowCut rc{std::vector<int64_t>(static_cast<size_t>(nt) + 1, nb), false};
+  rc.cut[0] = 0;
+  int64_t run = 0, t = 1;
+  for (int64_t b = 0; b < nb && t < nt; ++b) {
+    const int64_t before = run;
+    run += blocks[static_cast<size_t>(b)] + 1;
+    for (; t < nt && run * nt >= total * t; ++t) {  // the block's end or start, whichever is nearer
+      const bool start = total * t - before * nt < run * nt - total * t;
+      rc.cut[static_cast<size_t>(t)] = std::max(rc.cut[static_cast<size_t>(t) - 1], start ? b : b + 1);
+    }
+  }
+  int64_t all = 0, most = 0;
+  for (int th = 0; th < nt; ++th) {
+    int64_t share = 0;
+    for (int64_t b = rc.cut[static_cast<size_t>(th)]; b < rc.cut[static_cast<size_t>(th) + 1]; ++b) share += blocks[static_cast<size_t>(b)];
+    all += share;
+    most = std::max(most, share);
+  }
+  rc.balanced = all > 0 && most * nt * CpuPolicy::kRowsBalanceDen <= all * CpuPolicy::kRowsBalanceNum;
+  return rc;
+}
+
 void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& src, const void* w,
                 const Options& o, const IndexScan& first) {
   const int64_t n = out.rows, k = index.size, d = out.cols;
@@ -243,13 +297,24 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // Threads and the split, decided before the index pass so that it counts what the split needs.
   const DirectSplit split = direct_split({n, k, d, out.dtype}, o, first.sorted);
   const int nt = split.threads;
-  const bool split_columns = split.columns, split_rows = split.rows;
-  const int shift = block_shift_for(n);
+  bool split_columns = split.columns, split_rows = split.rows;
+  const int shift = block_shift_for(n, narrow);
 
   if (d == 0 || first.kept == 0) return;
   if (first.sorted) {
     run_sorted(out, index, src, w, o, nt, split_columns);
     return;
+  }
+
+  // Row split: the threads' ranges of rows, from a sample of the index (cut_rows).
+  std::vector<int64_t> cut;
+  if (split_rows || split.rows_when_balanced) {
+    RowCut rc = cut_rows(index, n, nt, shift);
+    cut = std::move(rc.cut);
+    if (split.rows_when_balanced && rc.balanced) {  // wide rows: ranges of rows, not columns of every row
+      split_rows = true;
+      split_columns = false;
+    }
   }
 
   // bf16/fp16: a float32 scratch. Dense (a slot per row, n <= k: every slot pays for itself)
@@ -286,23 +351,6 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   IndexScan scan = first;
   if (narrow && !touched && (!dense || mark_in_pass) && !(dealt && sparse))
     scan = scan_index(index, n, o.ignore_index, seen, bits);
-  // Row split: entries per block of rows, from a sample of the index (a split never changes the
-  // bits, only who computes which rows, so an estimate of the balance is enough).
-  std::vector<int64_t> blocks(split_rows ? static_cast<size_t>((n >> shift) + 1) : 0);
-  if (split_rows) {
-    const int64_t step = std::max<int64_t>(1, k / CpuPolicy::kBalanceSamples);
-    auto sample = [&](const auto* idx) {
-      for (int64_t i = 0; i < k; i += step) {
-        const int64_t r = static_cast<int64_t>(idx[i]);
-        if (r >= 0 && r < n) ++blocks[static_cast<size_t>(r >> shift)];
-      }
-    };
-    if (i64)
-      sample(static_cast<const int64_t*>(index.data));
-    else
-      sample(static_cast<const int32_t*>(index.data));
-  }
-
   DirectJob job = job_for(out, index, src, w, o);
   job.row_lo = 0;
   job.row_hi = n;
@@ -339,22 +387,6 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   const KernelTable& kt = active_kernels();
   const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
   const ScratchFn copy = scratch ? kt.scratch_copy[di] : nullptr;
-
-  // Row split: block boundaries at equal shares of the kept entries (plus one per block, so that
-  // an index concentrated in few blocks still spreads the rows).
-  std::vector<int64_t> cut;
-  if (split_rows) {
-    const int64_t nb = static_cast<int64_t>(blocks.size());
-    int64_t total = 0;
-    for (int64_t b = 0; b < nb; ++b) total += blocks[static_cast<size_t>(b)] + 1;
-    cut.assign(static_cast<size_t>(nt) + 1, nb);
-    cut[0] = 0;
-    int64_t run = 0, t = 1;
-    for (int64_t b = 0; b < nb && t < nt; ++b) {
-      run += blocks[static_cast<size_t>(b)] + 1;
-      while (t < nt && run * nt >= total * t) cut[static_cast<size_t>(t++)] = b + 1;
-    }
-  }
 
   // Marks (bytes of 0 or 1) to the bitmap `seen`, words [w0, w1) (rows of whole words: blocks
   // of a row split are multiples of 64 rows).

@@ -199,6 +199,70 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   EXPECT_FALSE(sa::cpu::direct_row_split_pays({100000, 1000000, 1, DType::f32}, 2));
 }
 
+// Rows wide enough for a column split: the direct walk gives the threads ranges of rows instead
+// when a sample of the index shows them balanced (each shape asserts which it sees at two
+// threads), and columns of every row when a hot row holds most entries; a sorted index takes
+// shares of its runs or, for one long run, columns. Every dtype (dense, sparse and touched
+// scratches for bf16/fp16), ignored entries, weights, strided rows, both index types, at one to
+// three threads, against the reference.
+TEST(Strategies, WideRowsSplitByRowsWhenBalancedGiveTheContractBits) {
+  struct Shape {
+    int64_t n, k, d;
+    Pattern p;
+    // at two threads: 1 rows, 0 columns, 2 rows for float32/float64 (bf16/fp16 cut whole blocks of
+    // 64 rows, one block here), -1 not asserted (sorted: run_sorted decides)
+    int balanced;
+  };
+  const Shape shapes[] = {
+      {256, 256, 1024, Pattern::uniform, 1}, {64, 64, 700, Pattern::uniform, 2},
+      {256, 600, 1100, Pattern::uniform, 1}, {1000, 300, 1030, Pattern::uniform, 1},
+      {40, 300, 1030, Pattern::hot_row, 0},  {3000, 1000, 600, Pattern::zipf, -1},
+      {300, 900, 777, Pattern::sorted, -1},  {50, 400, 1030, Pattern::all_equal, -1},
+  };
+  uint64_t seed = 700;
+  for (const Shape& sh : shapes)
+    for (DType t : kDtypes) {
+      const int64_t n = sh.n, k = sh.k, d = sh.d;
+      sa::Options two;
+      two.num_threads = 2;
+      const sa::cpu::DirectSplit split = sa::cpu::direct_split({n, k, d, t}, two, sh.p == Pattern::sorted);
+      ASSERT_TRUE(split.columns && split.threads == 2) << sa::dtype_name(t) << " N=" << n << " D=" << d;
+      ASSERT_EQ(split.rows_when_balanced, sh.p != Pattern::sorted);
+      for (int variant = 0; variant < 4; ++variant) {
+        const bool weighted = variant & 1, i64 = variant & 2;
+        const int64_t os = d + (variant == 1 ? 3 : 0), ss = d + (variant == 2 ? 5 : 0);
+        std::mt19937_64 rng(seed++);
+        const Buf out0 = special_buf(t, static_cast<size_t>(n * os), rng);
+        const Buf src = special_buf(t, static_cast<size_t>(k * ss), rng);
+        std::vector<int64_t> iv = make_indices(sh.p, n, k, rng);
+        if (sh.p != Pattern::sorted && sh.p != Pattern::all_equal)
+          for (int64_t i = 3; i < k; i += 7) iv[static_cast<size_t>(i)] = -1;
+        const Idx idx = make_idx(i64 ? IndexType::i64 : IndexType::i32, iv);
+        if (sh.balanced >= 0) {
+          const bool narrow = sa::dtype_size(t) == 2;
+          int shift = narrow ? 6 : 0;
+          while ((n >> shift) >= sa::cpu::CpuPolicy::kMaxBlocks) ++shift;
+          ASSERT_EQ(sa::cpu::cut_rows(idx.view(), n, 2, shift).balanced, sh.balanced == 1 || (sh.balanced == 2 && !narrow))
+              << sa::dtype_name(t) << " N=" << n << " K=" << k;
+        }
+        const std::vector<float> w = special_weights(k, rng);
+        Buf want = out0;
+        reference_add(want, n, d, os, src, ss, iv, weighted ? w.data() : nullptr, int64_t(-1));
+        for (int threads : {1, 2, 3}) {
+          Buf out = out0;
+          sa::Options opt;
+          opt.strategy = sa::Strategy::direct;
+          opt.num_threads = threads;
+          opt.ignore_index = -1;
+          sa::index_add_rows(mat(out, n, d, os), idx.view(), cmat(src, k, d, ss),
+                             {weighted ? w.data() : nullptr, k, DType::f32}, opt);
+          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " N=" << n << " K=" << k << " D=" << d
+                                           << " variant=" << variant << " threads=" << threads;
+        }
+      }
+    }
+}
+
 // bf16/fp16 on two threads: a row split that deals the entries out to their rows' threads first
 // (each shape asserts that it does), with sparse, touched and dense scratches, ignored entries
 // below and above the split, strided rows, weights, both index types; and one thread walking
