@@ -91,11 +91,15 @@ const void* weights_as_acc(const WeightVector& w, DType data, std::vector<float>
   return f->data();
 }
 
-int threads_for(const Options& o, double bytes) {
+int threads_for(const Options& o, double bytes, int64_t min_per_thread) {
   int t = o.num_threads > 0 ? o.num_threads : get_num_threads();
-  const double by_size = bytes / static_cast<double>(CpuPolicy::kMinBytesPerThread);
+  const double by_size = bytes / static_cast<double>(min_per_thread);
   if (by_size < t) t = std::max(1, static_cast<int>(by_size));
   return t;
+}
+
+int row_threads_for(const Options& o, double bytes, DType t) {
+  return threads_for(o, bytes, dtype_size(t) == 2 ? CpuPolicy::kRows16MinBytesPerThread : CpuPolicy::kRowsMinBytesPerThread);
 }
 
 namespace {
@@ -212,6 +216,9 @@ Strategy cheapest_add(const AddShape& s, const CostModel& m) {
 DirectSplit direct_split(const AddShape& s, const Options& o, bool sorted) {
   const double bytes = static_cast<double>(s.k) * static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * 3.0;
   DirectSplit split{s.d == 0 ? 1 : threads_for(o, bytes), false, false, false};
+  const int64_t row_bytes = s.d * static_cast<int64_t>(dtype_size(s.dtype));
+  if (split.threads > 1 && row_bytes >= split.threads * P::kMinColumnShareBytes)  // wide rows: threads pay later
+    split.threads = row_threads_for(o, bytes, s.dtype);
   const int nt = split.threads;
   split.columns = nt > 1 && s.d * static_cast<int64_t>(dtype_size(s.dtype)) >= nt * P::kMinColumnShareBytes;
   split.rows = nt > 1 && !split.columns && !sorted && direct_row_split_pays(s, nt);
@@ -232,7 +239,7 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
     return divides ? one / split.threads : one;
   }
   // A plan's rows divide over the threads (each row summed by one); its sort runs on one.
-  const int nt = threads_for(o, (k + static_cast<double>(P::kRowCost) * touched_rows(s.n, s.k)) * d * es);
+  const int nt = row_threads_for(o, (k + static_cast<double>(P::kRowCost) * touched_rows(s.n, s.k)) * d * es, s.dtype);
   const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
   const double sort = std::min(one, std::max(plan_ns(policy_cost_model(), s.n, s.k, radix), k * P::kSerialSortNsPerEntry));
   return sort + (one - sort) / nt;

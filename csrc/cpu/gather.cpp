@@ -125,7 +125,8 @@ void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& inde
                       w,        o.ignore_index.has_value(), o.ignore_index.value_or(0), stream};
   const GatherFn fn =
       active_kernels().gather[static_cast<int>(dst.dtype)][w != nullptr][index.type == IndexType::i64];
-  const int nt = threads_for(o, 2.0 * static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es));
+  const int nt = threads_for(o, 2.0 * static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es),
+                            CpuPolicy::kGatherMinBytesPerThread);
   const bool by_columns = k < nt;
   parallel_run(nt, [&](int t, int n) {
     if (by_columns) {

@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "policy.h"
 #include "scatter_add/scatter_add.h"
 
 namespace scatter_add {
@@ -18,8 +19,11 @@ const void* weights_as_acc(const WeightVector& w, DType data, std::vector<float>
                            std::vector<double>* d);
 
 // Threads for `bytes` of memory traffic: at most the requested count (Options::num_threads or
-// the default), fewer when each would get less than CpuPolicy::kMinBytesPerThread.
-int threads_for(const Options& o, double bytes);
+// the default), fewer when each would get less than min_per_thread bytes.
+int threads_for(const Options& o, double bytes, int64_t min_per_thread = CpuPolicy::kMinBytesPerThread);
+// The same for a walk that adds whole rows of dtype t at cache speed (the planned walk, the
+// direct walk of wide rows): CpuPolicy::kRowsMinBytesPerThread or kRows16MinBytesPerThread.
+int row_threads_for(const Options& o, double bytes, DType t);
 
 struct AddShape {
   int64_t n, k, d;  // out rows, index entries, columns
