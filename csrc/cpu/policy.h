@@ -77,6 +77,15 @@ struct CpuPolicy {
   // 1M 0.69-0.73x of the time, N = 100k 0.75x, N = 4096 K = 65536 0.82x; D = 3 0.81-0.88x; D = 4
   // 0.95-1.18x and D = 8, 16 0.98-1.06x (no gain).
   static constexpr int64_t kSnapshotMaxCols = 3;
+  // One bf16/fp16 column takes a slot per row (dense) also when N is up to this many times K:
+  // copying every row in costs less than finding the rows that repeat. Two threads, medians of 9
+  // batches, uniform index unless named, sparse or touched -> dense (index_add_): K = 100k, N =
+  // 150k 0.72 -> 0.36 ms (0.54), 200k 0.69 -> 0.47 ms (0.57-0.59), 300k 0.69 -> 0.63 ms (0.62-0.63),
+  // 200k zipf 0.42 -> 0.37 ms (0.49-0.50), fp16 250k 0.84 -> 0.64 ms (0.60); K = 10k, N = 20k
+  // 51-52 -> 31 us (46), 30k 55-57 -> 35 us (50); K = 1M, N = 2M 8.1 -> 5.5-5.7 ms (8.0-9.2), 3M
+  // 7.6-7.7 -> 7.0 ms (9.2-14). At N = 400k, K = 100k dense was slower (0.72 -> 0.79 ms). The cost
+  // model still prices these shapes as the walk they replace, which is slower.
+  static constexpr int64_t kDenseOneColumnRowsPerEntry = 3;
   // bf16/fp16 with more rows than entries: rows of at most kTouchedMaxCols columns whose float32
   // slots, one per row, take at most kTouchedMaxBytes sum in touched slots (a slot per row, filled
   // from out by the row's first contribution and written back by a bitmap of the rows touched)

@@ -280,7 +280,8 @@ TEST(Strategies, TwoThreadRowSplitsGiveTheContractBits) {
       {100000, 300000, 8, Pattern::zipf, true},    // dense, marked
       {60000, 40000, 4, Pattern::uniform, true},
       {100000, 100000, 1, Pattern::uniform, false},  // dense, compared with its snapshot
-      {150000, 100000, 1, Pattern::uniform, false},  // touched
+      {150000, 100000, 1, Pattern::uniform, false},  // dense (one column, N up to 3 K), with its snapshot
+      {150000, 100000, 2, Pattern::uniform, false},  // touched
   };
   uint64_t seed = 350;
   for (const Shape& sh : shapes)
@@ -350,8 +351,10 @@ TEST(Strategies, TwoThreadRowSplitsGiveTheContractBits) {
 TEST(Strategies, OneColumnOfALargeOutputGivesTheContractBits) {
   uint64_t seed = 900;
   for (DType t : kDtypes)
-    for (int64_t k : {int64_t(200000), int64_t(600000)})  // N > K: sparse scratch; N <= K: dense
-      for (bool weighted : {false, true}) {
+    // N > 3 K: sparse scratch; N <= 3 K (one column): dense
+    for (int64_t k : {int64_t(150000), int64_t(190000), int64_t(600000)})
+      for (bool weighted : {false, true})
+        for (int threads : {1, 2}) {
         const int64_t n = 560000;  // 1 MiB and more of bf16: prefetched
         std::mt19937_64 rng(seed++);
         const Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
@@ -365,10 +368,12 @@ TEST(Strategies, OneColumnOfALargeOutputGivesTheContractBits) {
         Buf out = out0;
         sa::Options opt;
         opt.strategy = sa::Strategy::direct;
+        opt.num_threads = threads;
         opt.ignore_index = -1;
         sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(src, k, 1, 1), {weighted ? w.data() : nullptr, k, DType::f32},
                            opt);
-        ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " K=" << k << (weighted ? " weighted" : "");
+        ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " K=" << k << (weighted ? " weighted" : "")
+                                         << " threads=" << threads;
       }
 }
 
@@ -459,7 +464,8 @@ TEST(Strategies, NaNPayloadsOfUntouchedRowsKeepTheirBits) {
   for (DType t : {DType::bf16, DType::f16}) {
     const std::vector<uint16_t> nans = t == DType::bf16 ? std::vector<uint16_t>{0x7F81, 0xFFC1, 0x7FC0, 0xFFFF}
                                                         : std::vector<uint16_t>{0x7C01, 0xFE01, 0x7E00, 0xFFFF};
-    for (Shape sh : {Shape{64, 300, 1}, Shape{64, 300, 2}, Shape{64, 300, 300}, Shape{64, 300, 1100}, Shape{4000, 300, 3}})
+    for (Shape sh : {Shape{64, 300, 1}, Shape{64, 300, 2}, Shape{64, 300, 300}, Shape{64, 300, 1100}, Shape{4000, 300, 3},
+                     Shape{800, 300, 1}})
       for (sa::Strategy st : kStrategies)
         for (int threads : {1, 2}) {
           std::mt19937_64 rng(seed++);
