@@ -99,7 +99,8 @@ int threads_for(const Options& o, double bytes, int64_t min_per_thread) {
 }
 
 int row_threads_for(const Options& o, double bytes, DType t) {
-  return threads_for(o, bytes, dtype_size(t) == 2 ? CpuPolicy::kRows16MinBytesPerThread : CpuPolicy::kRowsMinBytesPerThread);
+  return threads_for(o, bytes,
+                     dtype_size(t) == 2 ? CpuPolicy::kRows16MinBytesPerThread : CpuPolicy::kRowsMinBytesPerThread);
 }
 
 namespace {

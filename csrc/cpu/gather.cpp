@@ -150,7 +150,8 @@ void run_gather_planned(const Matrix& dst, const ConstMatrix& x, const Plan& pla
   const float* wf = dst.dtype == DType::f64 ? nullptr : static_cast<const float*>(w);
   // Each x row is read once and written to all its destinations: cost = count + 1 per row.
   const Splitter split(plan.offsets(), plan.num_distinct(), d, 1);
-  const int nt = threads_for(o, static_cast<double>(split.total()) * static_cast<double>(d) * static_cast<double>(es));
+  const int nt = threads_for(o, static_cast<double>(split.total()) * static_cast<double>(d) * static_cast<double>(es),
+                            CpuPolicy::kGatherMinBytesPerThread);
   const int64_t* rows = plan.rows().data();
   const int64_t* off = plan.offsets().data();
   const int64_t* srcs = plan.sources().data();

@@ -15,15 +15,16 @@ struct CpuPolicy {
   static constexpr int64_t kMinBytesPerThread = 64 << 10;
   // The same for the walks that add whole rows at cache speed: the planned walk (bytes: its
   // Splitter's total, D element-size per row-transfer) and the direct walk of rows wide enough to
-  // split by columns (K D element-size 3); and for gather (2 K D element-size), from one and two threads in a loop over small,
-  // cache-resident calls through the Python API (2-vCPU EPYC, medians of 9 batches). Wide
-  // float32/float64 rows add at cache speed, so a second thread pays from about 512 KiB: float32 N = K = 128 D = 256 (384 KiB) 5.6 us on one
-  // thread, 6.6-6.8 on two; N = K = 32 D = 1024 (384 KiB) 5.3-5.5 against 5.3-5.6; from 768 KiB two
-  // won (N = K = 64 D = 1024 9.2-9.7 -> 7.2-7.5 us). bf16/fp16 sum in a float32 scratch and pay
-  // from about 192 KiB: N = K = 16 D = 1024 (96 KiB) 4.8-5.1 us against 4.8-5.2, N = 4096 K = 16
-  // D = 1024 6.2 against 6.3, N = K = 32 D = 1024 (192 KiB) 7.9-8.1 -> 6.6 us. gather: float32
-  // N = 16 K = 16 D = 1024 (128 KiB) 4.2 us on one thread, 4.8 on two; K = 8 D = 4096 (256 KiB)
-  // 6.0 -> 5.5 us.
+  // split by columns (K D element-size 3); and for gather (2 K D element-size; a planned gather,
+  // its rows' copies). From one and two threads in a loop over small, cache-resident calls
+  // through the Python API (2-vCPU EPYC, medians of 9 batches). Wide float32/float64 rows add at
+  // cache speed, so a second thread pays from about 512 KiB: float32 N = K = 128 D = 256 (384 KiB)
+  // 5.6 us on one thread, 6.6-6.8 on two; N = K = 32 D = 1024 (384 KiB) 5.3-5.5 against 5.3-5.6;
+  // from 768 KiB two won (N = K = 64 D = 1024 9.2-9.7 -> 7.2-7.5 us). bf16/fp16 sum in a float32
+  // scratch and pay from about 192 KiB: N = K = 16 D = 1024 (96 KiB) 4.8-5.1 us against 4.8-5.2,
+  // N = 4096 K = 16 D = 1024 6.2 against 6.3, N = K = 32 D = 1024 (192 KiB) 7.9-8.1 -> 6.6 us.
+  // gather: float32 N = 16 K = 16 D = 1024 (128 KiB) 4.2 us on one thread, 4.8 on two; K = 8
+  // D = 4096 (256 KiB) 6.0 -> 5.5 us.
   static constexpr int64_t kRowsMinBytesPerThread = 256 << 10;
   static constexpr int64_t kRows16MinBytesPerThread = 96 << 10;
   static constexpr int64_t kGatherMinBytesPerThread = 128 << 10;

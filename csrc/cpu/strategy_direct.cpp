@@ -277,7 +277,8 @@ RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift) {
   int64_t all = 0, most = 0;
   for (int th = 0; th < nt; ++th) {
     int64_t share = 0;
-    for (int64_t b = rc.cut[static_cast<size_t>(th)]; b < rc.cut[static_cast<size_t>(th) + 1]; ++b) share += blocks[static_cast<size_t>(b)];
+    for (int64_t b = rc.cut[static_cast<size_t>(th)]; b < rc.cut[static_cast<size_t>(th) + 1]; ++b)
+      share += blocks[static_cast<size_t>(b)];
     all += share;
     most = std::max(most, share);
   }
@@ -389,8 +390,8 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   const AddDirectFn add = scratch ? kt.scratch_add[di][weighted][i64] : kt.direct[di][weighted][i64];
   const ScratchFn copy = scratch ? kt.scratch_copy[di] : nullptr;
 
-  // Marks (bytes of 0 or 1) to the bitmap `seen`, words [w0, w1) (rows of whole words: blocks
-  // of a row split are multiples of 64 rows).
+  // Marks (bytes of 0 or 1) to the bitmap `seen`, words [w0, w1) (rows of whole words: a row
+  // split of bf16/fp16, the only rows with marks, cuts blocks of 64 rows, block_shift_for).
   auto marks_to_seen = [&](int64_t w0, int64_t w1) {
     for (int64_t wd = w0; wd < w1; ++wd) {
       uint64_t word = 0;

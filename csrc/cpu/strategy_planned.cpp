@@ -21,7 +21,8 @@ void run_planned(const Matrix& out, const Plan& plan, const ConstMatrix& src, co
   const AddRowsFn fn = active_kernels().rows[static_cast<int>(out.dtype)][w != nullptr];
   const Splitter split(plan.offsets(), plan.num_distinct(), d, CpuPolicy::kRowCost);
   const size_t es = dtype_size(out.dtype);
-  const int nt = row_threads_for(o, static_cast<double>(split.total()) * static_cast<double>(d) * static_cast<double>(es), out.dtype);
+  const double bytes = static_cast<double>(split.total()) * static_cast<double>(d) * static_cast<double>(es);
+  const int nt = row_threads_for(o, bytes, out.dtype);
   const RowsJob job{out.data,          out.row_stride,         src.data,
                     src.row_stride,    plan.rows().data(),     plan.offsets().data(),
                     plan.sources().data(), plan.offsets().back(), w};
