@@ -189,11 +189,11 @@ struct CpuPolicy {
   // threads, wall time, D = 1024 float32 (2 KB shares) N = 41 / 4096, K = 4096: 1.3x / 1.7x
   // faster than one; D = 256 float32 (512 B shares) N = 164, K = 16384: 0.65x to 1x.
   static constexpr int64_t kColumnShareScalesBytes = 2048;
-  // Rows that wide split by ranges of rows instead (every thread walks the whole index and skips
-  // the others' entries, cheap beside a row's work) when a sample of the index gives no thread
-  // more than Num / Den of an equal share of the entries; a hot row that unbalances the ranges
-  // keeps the column split. On the 2-vCPU EPYC (no AVX-512), two cores adding into float32 rows
-  // near each other's were slower than one: a C loop of row adds, K = N = 256, D = 1024, two
+  // Rows wide enough for a column split take ranges of rows instead (every thread walks the whole
+  // index and skips the others' entries, cheap beside a row's work) when a sample of the index
+  // gives no thread more than Num / Den of an equal share of the entries; a hot row that
+  // unbalances the ranges keeps the column split. On the 2-vCPU EPYC (no AVX-512), two cores
+  // adding into float32 rows near each other's were slower than one: a C loop of row adds, K = N = 256, D = 1024, two
   // threads against one, columns of every row 3.1x slower, alternate rows 1.8x slower, blocks of
   // 4 rows (16 KiB) even, of 16 rows 1.5x faster, halves of the rows 1.8x faster. Through the
   // Python API, two threads, medians, uniform index, columns -> ranges of rows (index_add_):
