@@ -306,10 +306,24 @@ Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {
   if (forced != Strategy::automatic) return forced;
   if (sorted) return Strategy::direct;
   const int nt = o.num_threads > 0 ? o.num_threads : get_num_threads();
+  // The model's pick depends on the shape and the threads alone. A loop of calls of one shape
+  // (a decode step's) asks again and again: the last answer is kept (the model takes about
+  // 180 ns, a tenth of a small call).
+  struct Last {
+    AddShape s;
+    int nt;
+    Strategy pick;
+  };
+  thread_local Last last{{-1, -1, -1, DType::f32}, 0, Strategy::direct};
+  if (last.s.n == s.n && last.s.k == s.k && last.s.d == s.d && last.s.dtype == s.dtype && last.nt == nt)
+    return last.pick;
   const double direct = threaded_ns(s, Strategy::direct, nt), count = threaded_ns(s, Strategy::count, nt),
                radix = threaded_ns(s, Strategy::radix, nt);
-  if (direct <= count && direct <= radix) return Strategy::direct;
-  return count <= radix ? Strategy::count : Strategy::radix;
+  const Strategy pick = direct <= count && direct <= radix ? Strategy::direct
+                        : count <= radix                   ? Strategy::count
+                                                           : Strategy::radix;
+  last = {s, nt, pick};
+  return pick;
 }
 
 }  // namespace cpu

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <xmmintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -922,6 +923,42 @@ TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
 }
 
 // Run by its own CTest entry with SCATTER_ADD_CPU_STRATEGY=bogus (filtered out elsewhere).
+// choose_add keeps its last pick for the next call of the same shape and threads: whatever came
+// before, each call gets the pick a fresh thread (nothing kept) makes for its own shape.
+TEST(StrategyChoice, AKeptPickIsThePickOfItsOwnShape) {
+  if (sa::get_strategy() != sa::Strategy::automatic) GTEST_SKIP() << "SCATTER_ADD_CPU_STRATEGY forces a strategy";
+  const sa::cpu::AddShape shapes[] = {
+      {64, 64, 1024, DType::f32},      {128, 128, 4096, DType::f32}, {512, 1024, 2048, DType::f32},
+      {33, 32768, 128, DType::f32},    {33, 32768, 128, DType::bf16}, {164, 16384, 256, DType::f32},
+      {164, 16384, 256, DType::f64},   {1000000, 16, 1, DType::bf16}, {1000000, 16, 2, DType::bf16},
+      {1000000, 100000, 1, DType::bf16}, {16, 16, 1, DType::bf16}, {128, 128, 1024, DType::f32},
+  };
+  constexpr int kThreads[] = {1, 2, 3};
+  std::vector<sa::Strategy> fresh;
+  std::thread([&] {
+    for (const auto& s : shapes)
+      for (int nt : kThreads) {
+        sa::Options o;
+        o.num_threads = nt;
+        std::thread([&] { fresh.push_back(sa::cpu::choose_add(s, o)); }).join();  // a new thread each
+      }
+  }).join();
+  std::vector<sa::Strategy> kinds(fresh);
+  std::sort(kinds.begin(), kinds.end());
+  ASSERT_GE(std::unique(kinds.begin(), kinds.end()) - kinds.begin(), 3) << "the shapes pick all three strategies";
+  auto pick = [&](size_t c) {
+    sa::Options o;
+    o.num_threads = kThreads[c % 3];
+    return sa::cpu::choose_add(shapes[c / 3], o);
+  };
+  for (size_t i = 0; i < fresh.size(); ++i)  // every call after every other, and after itself
+    for (size_t j = 0; j < fresh.size(); ++j) {
+      pick(i);
+      ASSERT_EQ(pick(j), fresh[j]) << "shape " << j / 3 << " threads " << kThreads[j % 3] << " after shape " << i / 3
+                                   << " threads " << kThreads[i % 3];
+    }
+}
+
 TEST(StrategyEnv, UnknownNameIsAnErrorNamingTheVariable) {
   ASSERT_STREQ(std::getenv("SCATTER_ADD_CPU_STRATEGY"), "bogus");
   std::vector<float> out(4, 0.0f), src(2, 1.0f);
