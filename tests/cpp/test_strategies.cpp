@@ -209,8 +209,8 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
 // Rows wide enough for a column split: the direct walk gives the threads ranges of rows instead
 // when a sample of the index shows them balanced (each shape asserts which it sees at two
 // threads), and columns of every row when a hot row holds most entries; a sorted index takes
-// shares of its runs or, for one long run, columns. Every dtype (dense, sparse and touched
-// scratches for bf16/fp16), ignored entries, weights, strided rows, both index types, at one to
+// shares of its runs or, for one long run, columns. Every dtype (dense and sparse scratches for
+// bf16/fp16), ignored entries, weights, strided rows, both index types, at one to
 // three threads, against the reference.
 TEST(Strategies, WideRowsSplitByRowsWhenBalancedGiveTheContractBits) {
   struct Shape {
@@ -351,20 +351,20 @@ TEST(Strategies, OneColumnOfALargeOutputGivesTheContractBits) {
     for (int64_t k : {int64_t(150000), int64_t(190000), int64_t(600000)})
       for (bool weighted : {false, true})
         for (int threads : {1, 2}) {
-        const int64_t n = 560000;  // 1 MiB and more of bf16: prefetched
-        std::mt19937_64 rng(seed++);
-        const Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
-        const Buf src = special_buf(t, static_cast<size_t>(k), rng);
-        std::vector<int64_t> iv = make_indices(seed % 2 ? Pattern::zipf : Pattern::uniform, n, k, rng);
-        for (int64_t i = 0; i < k; i += 9) iv[static_cast<size_t>(i)] = -1;
-        const Idx idx = make_idx(IndexType::i32, iv);
-        const std::vector<float> w = special_weights(k, rng);
-        Buf want = out0;
-        reference_add(want, n, 1, 1, src, 1, iv, weighted ? w.data() : nullptr, int64_t(-1));
-        const Buf out = direct_walk(out0, n, 1, 1, idx, src, k, 1, weighted ? w.data() : nullptr, threads, -1);
-        ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " K=" << k << (weighted ? " weighted" : "")
-                                         << " threads=" << threads;
-      }
+          const int64_t n = 560000;  // 1 MiB and more of bf16: prefetched
+          std::mt19937_64 rng(seed++);
+          const Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
+          const Buf src = special_buf(t, static_cast<size_t>(k), rng);
+          std::vector<int64_t> iv = make_indices(seed % 2 ? Pattern::zipf : Pattern::uniform, n, k, rng);
+          for (int64_t i = 0; i < k; i += 9) iv[static_cast<size_t>(i)] = -1;
+          const Idx idx = make_idx(IndexType::i32, iv);
+          const std::vector<float> w = special_weights(k, rng);
+          Buf want = out0;
+          reference_add(want, n, 1, 1, src, 1, iv, weighted ? w.data() : nullptr, int64_t(-1));
+          const Buf out = direct_walk(out0, n, 1, 1, idx, src, k, 1, weighted ? w.data() : nullptr, threads, -1);
+          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " K=" << k << (weighted ? " weighted" : "")
+                                           << " threads=" << threads;
+        }
 }
 
 // bf16/fp16 with more rows than entries: touched slots (a float32 slot per row, filled by the
