@@ -163,9 +163,12 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // Wide rows too take shares of the entries when the runs cut them into shares of at most
   // kRowsBalanceNum / kRowsBalanceDen of an equal one (so threads write rows far apart, see
   // CpuPolicy::kRowsBalanceNum); else columns of every run.
-  std::vector<int64_t> from(static_cast<size_t>(nt) + 1, k);
-  from[0] = 0;
-  for (int t = 1; t < nt; ++t) from[static_cast<size_t>(t)] = run_start(k * t / nt);
+  std::vector<int64_t> from;  // thread t's entries [from[t], from[t + 1]) (nt > 1)
+  if (nt > 1) {
+    from.assign(static_cast<size_t>(nt) + 1, k);
+    from[0] = 0;
+    for (int t = 1; t < nt; ++t) from[static_cast<size_t>(t)] = run_start(k * t / nt);
+  }
   if (split_columns) {
     int64_t most = 0;
     for (int t = 0; t < nt; ++t) most = std::max(most, from[static_cast<size_t>(t) + 1] - from[static_cast<size_t>(t)]);
@@ -178,8 +181,9 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       const int64_t c1 = t + 1 == nth ? d : std::min(d, (d * (t + 1) / nth + align - 1) / align * align);
       if (c0 < c1) runs(job, 0, k, c0, c1);
     } else {
-      const int64_t i0 = nth == nt ? from[static_cast<size_t>(t)] : run_start(k * t / nth);
-      const int64_t i1 = nth == nt ? from[static_cast<size_t>(t) + 1] : t + 1 == nth ? k : run_start(k * (t + 1) / nth);
+      const bool cut = nth == nt && !from.empty();
+      const int64_t i0 = cut ? from[static_cast<size_t>(t)] : run_start(k * t / nth);
+      const int64_t i1 = cut ? from[static_cast<size_t>(t) + 1] : t + 1 == nth ? k : run_start(k * (t + 1) / nth);
       if (i0 < i1) runs(job, i0, i1, 0, d);
     }
   });
