@@ -234,9 +234,16 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
   Options o;
   o.num_threads = threads;
   const double es = static_cast<double>(dtype_size(s.dtype)), d = static_cast<double>(s.d), k = static_cast<double>(s.k);
-  if (strategy == Strategy::direct) {  // divided only by a row split or wide column shares
+  if (strategy == Strategy::direct) {  // divided by a row split, ranges of rows or wide column shares
     const DirectSplit split = direct_split(s, o, false);
-    const bool divides = split.rows || (split.columns && d * es / split.threads >= static_cast<double>(P::kColumnShareScalesBytes));
+    // float32/float64 rows wide enough for a column split take ranges of single rows when the
+    // index balances them (policy.h, kRowsBalanceNum): counted as divided, as an index without a
+    // hot row gives, where out is small (kRangesDivideMaxOutBytes). bf16/fp16 cut whole blocks of
+    // rows and are not.
+    const bool ranges = split.rows_when_balanced && es != 2.0 &&
+                        static_cast<double>(s.n) * d * es <= static_cast<double>(P::kRangesDivideMaxOutBytes);
+    const bool divides = split.rows || ranges ||
+                         (split.columns && d * es / split.threads >= static_cast<double>(P::kColumnShareScalesBytes));
     return divides ? one / split.threads : one;
   }
   // A plan's rows divide over the threads (each row summed by one); its sort runs on one.

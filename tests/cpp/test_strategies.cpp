@@ -904,18 +904,33 @@ TEST(StrategySwitch, OptionsAndSetStrategyForceOne) {
 // The cost model compares what each strategy takes on the threads it would get: a plan's rows
 // divide over them, the direct walk of rows too narrow to split by columns does not.
 TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
-  // 164 rows of 1 KiB float32 hit 100 times each: the walk's column shares (512 B) gain nothing.
-  const sa::cpu::AddShape s{164, 16384, 256, DType::f32};
+  // 33 rows of 512 B float32 hit about 1000 times each: too narrow for a column or a row split,
+  // the walk runs on one thread; a plan's rows divide over two.
+  const sa::cpu::AddShape alone{33, 32768, 128, DType::f32};
   for (sa::Strategy st : {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix})
-    EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(s, st, 1), sa::cpu::estimate_ns(s, st)) << sa::strategy_name(st);
-  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(s, sa::Strategy::direct, 2), sa::cpu::estimate_ns(s, sa::Strategy::direct));
-  EXPECT_LT(sa::cpu::threaded_ns(s, sa::Strategy::count, 2), 0.6 * sa::cpu::estimate_ns(s, sa::Strategy::count));
-  if (sa::get_strategy() != sa::Strategy::automatic) GTEST_SKIP() << "SCATTER_ADD_CPU_STRATEGY forces a strategy";
-  sa::Options one, two;
-  one.num_threads = 1;
-  two.num_threads = 2;
-  EXPECT_EQ(sa::cpu::choose_add(s, one), sa::Strategy::direct);
-  EXPECT_NE(sa::cpu::choose_add(s, two), sa::Strategy::direct);
+    EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(alone, st, 1), sa::cpu::estimate_ns(alone, st)) << sa::strategy_name(st);
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(alone, sa::Strategy::direct, 2), sa::cpu::estimate_ns(alone, sa::Strategy::direct));
+  EXPECT_LT(sa::cpu::threaded_ns(alone, sa::Strategy::count, 2), 0.7 * sa::cpu::estimate_ns(alone, sa::Strategy::count));
+  // bf16 rows of 1 KiB: column shares of 512 B gain nothing, and ranges of rows, cut at 64-row
+  // blocks, are not counted.
+  const sa::cpu::AddShape blocks{164, 16384, 512, DType::bf16};
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(blocks, sa::Strategy::direct, 2), sa::cpu::estimate_ns(blocks, sa::Strategy::direct));
+  // float32 / float64 rows of 1 KiB take ranges of single rows: the walk divides, and stays the
+  // pick on two threads as on one.
+  const sa::cpu::AddShape ranges[] = {{164, 16384, 256, DType::f32}, {164, 16384, 128, DType::f64}};
+  for (const auto& s : ranges) {
+    EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(s, sa::Strategy::direct, 2), sa::cpu::estimate_ns(s, sa::Strategy::direct) / 2)
+        << sa::dtype_name(s.dtype);
+    if (sa::get_strategy() != sa::Strategy::automatic) continue;
+    sa::Options one, two;
+    one.num_threads = 1;
+    two.num_threads = 2;
+    EXPECT_EQ(sa::cpu::choose_add(s, one), sa::Strategy::direct) << sa::dtype_name(s.dtype);
+    EXPECT_EQ(sa::cpu::choose_add(s, two), sa::Strategy::direct) << sa::dtype_name(s.dtype);
+  }
+  // The same rows into an out of 4 MiB: ranges of rows are not counted there.
+  const sa::cpu::AddShape big_out{4096, 4096, 256, DType::f32};
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(big_out, sa::Strategy::direct, 2), sa::cpu::estimate_ns(big_out, sa::Strategy::direct));
   // Rows of 4 KiB split by columns in 2 KiB shares: the walk divides too.
   const sa::cpu::AddShape wide{41, 4096, 1024, DType::f32};
   EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(wide, sa::Strategy::direct, 2),
