@@ -205,20 +205,21 @@ struct CpuPolicy {
   // The cost model counts these ranges as dividing float32/float64 walks whose out has at most
   // kRangesDivideMaxOutBytes (choose.cpp, threaded_ns); it had priced them as undivided below
   // kColumnShareScalesBytes and picked a planned walk halved over two threads. On the 2-vCPU EPYC
-  // (no AVX-512), two threads, each strategy forced, through the Python API; a loop of one
-  // strategy's calls (medians, two runs) and the sweep's timing interleaved with torch's
-  // (bench_sweep.run_cell, speedup over index_add_ in the same cell, two runs): float32 D = 256
-  // N = 16 K = 16384 direct 408-424 us against count 751-818, interleaved 1.29x against
-  // 0.99-1.07x; N = 164 K = 16384 338-386 us against 420-517, interleaved 1.33-1.41x against
-  // 1.05-1.09x; float64 D = 128 N = 164 K = 16384 384-565 us against count 910-1211. Other
-  // shapes tied, and an out of 512 KiB lost: N = 256 K = 65536 D = 256 (out 256 KiB) 1.56-1.72x
-  // against 1.57-1.76x, N = 64 K = 1024 D = 256 1.12x both; N = 256 K = 4096 D = 512 (512 KiB)
-  // 0.94-1.00x against 1.05-1.12x. With out in memory the two timings disagree: N = K = 4096
-  // 163-181 us against count 191-251 in a loop, but 0.95-0.98x against 1.12-1.19x interleaved;
-  // N = K = 16384 and 65536 1.21-1.27x against 1.23-1.34x interleaved; N = 65536 K = 16384
-  // 1.31-1.34x against radix 1.14-1.21x; so there the former pricing stays. bf16 rows, whose cut
-  // falls on 64-row blocks, were mixed or slower (N = 4 K = 16384 D = 512 736-886 us against
-  // count 581-628; N = 16384 K = 1024 D = 512 104-111 against radix 84-96) and are not counted.
+  // (no AVX-512), two threads, each strategy forced, through the Python API, the sweep's timing
+  // interleaved with torch's (bench_sweep.run_cell), speedup over index_add_ in the same cell,
+  // two runs, direct against count, with the hot-row prefetch of row_kernels.h
+  // (add_row_buffered): float32 D = 256 N = 16 K = 16384 1.27-1.39x against 1.14-1.20x; N = 4
+  // K = 65536 1.43-1.48x against 1.11-1.14x; N = 256 K = 65536 (out 256 KiB) 1.91-1.94x against
+  // 1.61-1.64x; N = 64 K = 4096 1.18-1.25x against 1.07-1.18x; N = 164 K = 16384 1.34-1.38x
+  // against 1.32-1.47x; float64 D = 128 N = 164 K = 16384 1.26-1.36x against 1.09-1.11x (before
+  // that prefetch, count at N = 16 / 164 took 0.99-1.07x / 1.05-1.09x). A larger out lost: N = 256
+  // K = 4096 D = 512 (512 KiB) 0.94-1.00x against 1.05-1.12x; with out in memory a loop of one
+  // strategy's calls and the interleaved timing disagree (N = K = 4096 D = 256 163-181 us against
+  // count 191-251 in a loop, 0.95-0.98x against 1.12-1.19x interleaved; N = K = 16384 and 65536
+  // 1.21-1.27x against 1.23-1.34x interleaved), so there the former pricing stays. bf16 rows,
+  // whose cut falls on 64-row blocks, were mixed or slower (N = 4 K = 16384 D = 512 736-886 us
+  // against count 581-628; N = 16384 K = 1024 D = 512 104-111 against radix 84-96) and are not
+  // counted.
   static constexpr int64_t kRangesDivideMaxOutBytes = 256 << 10;
   // Direct, rows too narrow for that: a row split costs each thread this much per mispredicted
   // skip of another thread's entry. Measured with 1 and 2 threads (wall time, idle 2-core Xeon),
