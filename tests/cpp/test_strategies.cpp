@@ -928,6 +928,14 @@ TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
     EXPECT_EQ(sa::cpu::choose_add(s, one), sa::Strategy::direct) << sa::dtype_name(s.dtype);
     EXPECT_EQ(sa::cpu::choose_add(s, two), sa::Strategy::direct) << sa::dtype_name(s.dtype);
   }
+  // Too few rows for balanced ranges even from an even index (3 on two threads, 7 on three; the
+  // walk keeps the column split there): not counted; 4 and 8 rows are.
+  for (auto [n, nt, divides] : {std::tuple{int64_t(3), 2, false}, {int64_t(4), 2, true}, {int64_t(7), 3, false},
+                                {int64_t(8), 3, true}}) {
+    const sa::cpu::AddShape few{n, 16384, 512, DType::f32};  // 2 KiB rows: a column split on 2 and 3
+    const double one = sa::cpu::estimate_ns(few, sa::Strategy::direct);
+    EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(few, sa::Strategy::direct, nt), divides ? one / nt : one) << n << " rows, " << nt;
+  }
   // The same rows into an out of 4 MiB: ranges of rows are not counted there.
   const sa::cpu::AddShape big_out{4096, 4096, 256, DType::f32};
   EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(big_out, sa::Strategy::direct, 2), sa::cpu::estimate_ns(big_out, sa::Strategy::direct));
