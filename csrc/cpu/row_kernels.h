@@ -108,6 +108,28 @@ inline void stream_copy(void* d, const void* s, size_t n) {
   std::memcpy(dp, sp, n);
 }
 
+// A copy of Bytes (a constant) bytes, inlined: whole 32-byte vectors where the ISA has them.
+// GCC expands a constant memcpy into 16-byte moves (its generic tuning splits unaligned 32-byte
+// ones), twice the loads and stores. Gathers of such rows, this build and the memcpy one loaded
+// in one process, alternated with index_select (2-vCPU EPYC without AVX-512, two threads, medians
+// of 300 calls, two runs), speedup over index_select memcpy -> these: bfloat16 N = 33 K = 32768
+// D = 128 0.94-1.02x -> 1.10-1.11x, N = 6554 K = 65536 D = 64 1.04x -> 1.19x, float32
+// N = 65536 K = 6554 D = 64 1.03-1.10x -> 1.22-1.31x; into a float32 dst of 16 MiB, bound by its
+// writes, the same within the spread (N = 66 K = 65536 D = 64 1.01x -> 1.00-1.05x, N = 655
+// 1.12-1.13x -> 1.10x).
+template <size_t Bytes>
+inline void fixed_copy(void* d, const void* s) {
+#if defined(__AVX__)
+  if constexpr (Bytes >= 32 && Bytes % 32 == 0) {
+    for (size_t b = 0; b < Bytes / 32; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<char*>(d) + 32 * b),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const char*>(s) + 32 * b)));
+    return;
+  }
+#endif
+  std::memcpy(d, s, Bytes);
+}
+
 inline void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
@@ -868,7 +890,7 @@ struct RowKernels {
   }
   template <size_t Bytes>
   struct FixedCopy {  // a copy of constant size, inlined
-    void operator()(void* d, const void* s, size_t) const { std::memcpy(d, s, Bytes); }
+    void operator()(void* d, const void* s, size_t) const { fixed_copy<Bytes>(d, s); }
   };
   struct StreamCopy {
     void operator()(void* d, const void* s, size_t n) const { stream_copy(d, s, n); }
