@@ -111,12 +111,12 @@ inline void stream_copy(void* d, const void* s, size_t n) {
 // A copy of Bytes (a constant) bytes, inlined: whole 32-byte vectors where the ISA has them.
 // GCC expands a constant memcpy into 16-byte moves (its generic tuning splits unaligned 32-byte
 // ones), twice the loads and stores. Gathers of such rows, this build and the memcpy one loaded
-// in one process, alternated with index_select (2-vCPU EPYC without AVX-512, two threads, medians
-// of 300 calls, two runs), speedup over index_select memcpy -> these: bfloat16 N = 33 K = 32768
-// D = 128 0.94-1.02x -> 1.10-1.11x, N = 6554 K = 65536 D = 64 1.04x -> 1.19x, float32
-// N = 65536 K = 6554 D = 64 1.03-1.10x -> 1.22-1.31x; into a float32 dst of 16 MiB, bound by its
-// writes, the same within the spread (N = 66 K = 65536 D = 64 1.01x -> 1.00-1.05x, N = 655
-// 1.12-1.13x -> 1.10x).
+// in one process, alternated with index_select (2-vCPU EPYC without AVX-512, two threads,
+// medians of 300 calls, two runs), speedup over index_select with memcpy -> with these:
+// bfloat16 N = 33 K = 32768 D = 128 0.94-1.02x -> 1.10-1.11x, N = 6554 K = 65536 D = 64 1.04x
+// -> 1.19x, float32 N = 65536 K = 6554 D = 64 1.03-1.10x -> 1.22-1.31x; into a float32 dst of
+// 16 MiB, bound by its writes, the same within the spread (N = 66 K = 65536 D = 64 1.01x ->
+// 1.00-1.05x, N = 655 1.12-1.13x -> 1.10x).
 template <size_t Bytes>
 inline void fixed_copy(void* d, const void* s) {
 #if defined(__AVX__)
