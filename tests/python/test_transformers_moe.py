@@ -548,6 +548,58 @@ def test_no_tokens(sa, name):
     assert out.shape == (0, h.shape[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_idle_experts_gradients_are_zero_in_reused_memory(sa, monkeypatch, dtype, transposed, forms):
+    """The backward writes its gradients into new, unfilled tensors and zeroes only the idle
+    experts' slices (runs of them). Memory handed back by the allocator may hold anything: with
+    every new tensor filled with NaN first, each gradient must be what it is with clean memory,
+    the idle experts' slices exactly zero, whichever experts are idle (first, last, inner runs,
+    none, all)."""
+    moe = sa.moe
+    real_empty_like = torch.empty_like
+
+    def dirty_empty_like(t, *args, **kwargs):
+        r = real_empty_like(t, *args, **kwargs)
+        if r.is_floating_point():
+            r.fill_(float("nan"))
+        return r
+
+    hid, inter = 16, 8
+    gate = lambda h: torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # noqa: E731
+    patterns = [[0, 0, 0, 0, 0], [1, 2, 1, 1, 3], [3, 0, 0, 0, 0], [0, 0, 0, 0, 4], [2, 0, 0, 0, 1],
+                [0, 2, 0, 3, 0], [0, 0, 5, 5, 0], [1, 0, 1, 0, 1]]
+    for counts in patterns:
+        g = torch.Generator().manual_seed(sum(counts))
+        E = len(counts)
+        w_in = (0.3 * torch.randn(E, *((hid, 2 * inter) if transposed else (2 * inter, hid)), generator=g)).to(dtype)
+        w_out = (0.3 * torch.randn(E, *((inter, hid) if transposed else (hid, inter)), generator=g)).to(dtype)
+        ends = torch.tensor(counts).cumsum(0)
+        xs = torch.randn(int(ends[-1]) + 2, hid, generator=g).to(dtype)  # two sentinel rows past the blocks
+        gy = torch.randn(xs.shape[0], hid, generator=g).to(dtype)
+
+        def grads():
+            leaves = [t.detach().requires_grad_() for t in (xs, w_in, w_out)]
+            ys = moe._Experts.apply(leaves[0], ends, leaves[1], None, leaves[2], None, transposed, gate)
+            via_autograd = torch.autograd.grad(ys, leaves, gy)
+            via_op = moe._grouped_linear_backward_impl(gy, xs, w_in, ends, False, transposed, True, True)[:2]
+            return list(via_autograd) + list(via_op)
+
+        clean = grads()
+        monkeypatch.setattr(torch, "empty_like", dirty_empty_like)
+        try:
+            dirty = grads()
+        finally:
+            monkeypatch.setattr(torch, "empty_like", real_empty_like)
+        for a, b in zip(clean, dirty):
+            assert not b.isnan().any(), counts
+            assert torch.equal(a, b), counts
+        for w_grad in (dirty[1], dirty[2], dirty[4]):  # per-expert weight gradients
+            for e, c in enumerate(counts):
+                if c == 0:
+                    assert (w_grad[e] == 0).all(), (counts, e)
+
+
 def test_package_import_does_not_import_transformers():
     code = ("import sys; sys.path.insert(0, 'tests/python'); from conftest import load_sa; sa = load_sa(); "
             "assert 'transformers' not in sys.modules, 'imported'; assert callable(sa.moe.experts_forward); print('ok')")
