@@ -565,7 +565,7 @@ def test_idle_experts_gradients_are_zero_in_reused_memory(sa, monkeypatch, dtype
             r.fill_(float("nan"))
         return r
 
-    hid, inter = 16, 8
+    hid, inter = 16, 12
     gate = lambda h: torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # noqa: E731
     patterns = [[0, 0, 0, 0, 0], [1, 2, 1, 1, 3], [3, 0, 0, 0, 0], [0, 0, 0, 0, 4], [2, 0, 0, 0, 1],
                 [0, 2, 0, 3, 0], [0, 0, 5, 5, 0], [1, 0, 1, 0, 1]]
@@ -577,12 +577,13 @@ def test_idle_experts_gradients_are_zero_in_reused_memory(sa, monkeypatch, dtype
         ends = torch.tensor(counts).cumsum(0)
         xs = torch.randn(int(ends[-1]) + 2, hid, generator=g).to(dtype)  # two sentinel rows past the blocks
         gy = torch.randn(xs.shape[0], hid, generator=g).to(dtype)
+        gh = torch.randn(xs.shape[0], 2 * inter, generator=g).to(dtype)  # the first product's output
 
         def grads():
             leaves = [t.detach().requires_grad_() for t in (xs, w_in, w_out)]
             ys = moe._Experts.apply(leaves[0], ends, leaves[1], None, leaves[2], None, transposed, gate)
             via_autograd = torch.autograd.grad(ys, leaves, gy)
-            via_op = moe._grouped_linear_backward_impl(gy, xs, w_in, ends, False, transposed, True, True)[:2]
+            via_op = moe._grouped_linear_backward_impl(gh, xs, w_in, ends, False, transposed, True, True)[:2]
             return list(via_autograd) + list(via_op)
 
         clean = grads()
