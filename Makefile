@@ -153,6 +153,7 @@ $(VENV_CUDA)/.installed: requirements.txt
 	$(VENV_CUDA)/bin/python -m pip install --no-deps $(CUDA_TORCH)
 	$(VENV_CUDA)/bin/python -c 'import importlib.metadata as m; print("\n".join(r for r in m.requires("torch") if not r.startswith("triton") and "extra ==" not in r))' > $(VENV_CUDA)/requirements-torch.txt
 	$(VENV_CUDA)/bin/python -m pip install -r $(VENV_CUDA)/requirements-torch.txt -r $(VENV_CUDA)/requirements-test.txt
+	@echo "($(VENV_CUDA) leaves triton out on purpose: pip's note above that torch requires it is expected.)"
 	rm -f $(patsubst %,$(VENV_CUDA)/lib/python3*/site-packages/nvidia/cudnn/lib/libcudnn_%.so.9,$(CUDNN_LAZY_LIBS))
 	$(VENV_CUDA)/bin/python -c 'import torch; print("torch", torch.__version__, "imports")'
 	@touch $@
