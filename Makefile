@@ -141,21 +141,24 @@ endif
 
 # A second torch, pip's CUDA build (no GPU needed), in its own venv with the test requirements:
 # the hub variants are loaded and tested on it too. Nothing here runs a GPU kernel, so two parts of
-# its 5.8 GB are left out (3.9 GB remain): triton (0.9 GB, it compiles GPU kernels; torch imports
-# without it, and pip ends by saying torch requires it) and cuDNN's engine libraries (0.9 GB,
-# which libcudnn.so.9, the one library torch links, loads only when a cuDNN call runs on a GPU).
+# its 5.8 GB are left out (4.0 GB remain): triton (0.9 GB, it compiles GPU kernels; torch imports
+# without it, and pip ends by saying torch requires it) and cuDNN's engine libraries (0.8 GB,
+# which libcudnn.so.9, the one library torch links, loads for cuDNN's work on a GPU; its graph
+# library stays, since the host-only cudnnGetVersion, torch.backends.cudnn.version(), loads it
+# and aborts the process without it). So this venv is for this machine's tests, not for a GPU
+# (no triton: torch.compile of CUDA code would fail). pip keeps no cache of these downloads.
 CUDA_TORCH ?= torch==2.14.1
-CUDNN_LAZY_LIBS := adv cnn engines_precompiled engines_runtime_compiled engines_tensor_ir ext graph heuristic ops
+CUDNN_LAZY_LIBS := adv cnn engines_precompiled engines_runtime_compiled engines_tensor_ir ext heuristic ops
 $(VENV_CUDA)/.installed: requirements.txt
 	@test -x $(VENV_CUDA)/bin/python || $(PYTHON) -m venv $(VENV_CUDA)
 	grep -vE '^(torch|matplotlib)==' requirements.txt > $(VENV_CUDA)/requirements-test.txt
-	@echo "Installing $(CUDA_TORCH) (CUDA 13.0) and the test requirements into $(VENV_CUDA) (once): torch and its nvidia-* packages are about 2.5 GB to download, 3.9 GB on disk. pip shows each file's size and progress."
-	$(VENV_CUDA)/bin/python -m pip install --no-deps $(CUDA_TORCH)
+	@echo "Installing $(CUDA_TORCH) (CUDA 13.0) and the test requirements into $(VENV_CUDA) (once): torch and its nvidia-* packages are about 2.5 GB to download, 4.0 GB on disk. pip shows each file's size and progress."
+	$(VENV_CUDA)/bin/python -m pip install --no-cache-dir --no-deps $(CUDA_TORCH)
 	$(VENV_CUDA)/bin/python -c 'import importlib.metadata as m; print("\n".join(r for r in m.requires("torch") if not r.startswith("triton") and "extra ==" not in r))' > $(VENV_CUDA)/requirements-torch.txt
-	$(VENV_CUDA)/bin/python -m pip install -r $(VENV_CUDA)/requirements-torch.txt -r $(VENV_CUDA)/requirements-test.txt
+	$(VENV_CUDA)/bin/python -m pip install --no-cache-dir -r $(VENV_CUDA)/requirements-torch.txt -r $(VENV_CUDA)/requirements-test.txt
 	@echo "($(VENV_CUDA) leaves triton out on purpose: pip's note above that torch requires it is expected.)"
 	rm -f $(patsubst %,$(VENV_CUDA)/lib/python3*/site-packages/nvidia/cudnn/lib/libcudnn_%.so.9,$(CUDNN_LAZY_LIBS))
-	$(VENV_CUDA)/bin/python -c 'import torch; print("torch", torch.__version__, "imports")'
+	$(VENV_CUDA)/bin/python -c 'import torch; print("torch", torch.__version__, "imports; cuDNN", torch.backends.cudnn.version())'
 	@touch $@
 
 # The CPU stable variant on that torch through the loader (backend="cpu"), under the Python suite.

@@ -16,8 +16,9 @@ from configs, random weights, bf16) with each experts implementation, side by si
              same inputs
 
 Timings: the implementations run in interleaved rounds (one call of each per round) so that this
-machine's drifting speed hits them alike; each cell is the median of the rounds, and the table
-says how far the fastest and slowest rounds of ours were from it.
+machine's drifting speed hits them alike, except batched_mm, timed in rounds of its own after the
+others' (its weight copies slow whatever runs next); each cell is the median of the rounds, and
+the table says how far the fastest and slowest rounds of ours were from it.
 
     .venv/bin/python benchmarks/bench_moe.py [--quick | --make-bench] [--blocks mixtral,...] [--threads N] [--cpu-time] [--out DIR]
     .venv/bin/python benchmarks/bench_moe.py --plot-only results/bench_moe.json --out DIR   (redraw only)
@@ -335,7 +336,7 @@ class MoEBench:
 
     def print_table(self, rows):
         print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {rows[0]['threads']} threads, {self.clock_name}; ms per call "
-              f"(median of interleaved rounds); x = ours' speedup over the best built-in; err = max |out - float64| "
+              f"(median of interleaved rounds, batched_mm's apart); x = ours' speedup over the best built-in; err = max |out - float64| "
               f"on the first 256 tokens (32 at 8x7B sizes) of the forward")
         for bname in dict.fromkeys(r["block"] for r in rows):
             sel = [r for r in rows if r["block"] == bname]
