@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace scatter_add {
 namespace cpu {
@@ -84,6 +87,21 @@ struct ElemF16 {
   static float get(uint16_t h) { return f16_to_f32(h); }
   static uint16_t put(float a) { return f32_to_f16(a); }
 };
+
+#if defined(__F16C__)
+// The same conversions by the F16C instructions, for the units compiled with -mf16c: both are
+// exact IEEE conversions rounding to nearest even with subnormals kept (MXCSR's FTZ and DAZ do not
+// apply to them), and VCVTPS2PH's NaN, which keeps the payload, becomes the canonical one as above
+// (and as the vector kernels' narrow() does). The integer path costs a branch tree per element:
+// float16 D = 1, N = K = 1M, sorted, one thread, 8.7 ms against bfloat16's 2.7.
+struct ElemF16C {
+  static float get(uint16_t h) { return _cvtsh_ss(h); }
+  static uint16_t put(float a) {
+    if (a != a) return static_cast<uint16_t>(((f32_to_bits(a) >> 16) & 0x8000u) | 0x7E00u);
+    return static_cast<uint16_t>(_cvtss_sh(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+#endif
 
 }  // namespace
 }  // namespace cpu

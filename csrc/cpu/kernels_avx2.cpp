@@ -117,7 +117,7 @@ struct Avx2BF16 : Avx2F32 {
 
 struct Avx2F16 : Avx2F32 {
   using storage = uint16_t;
-  using elem = ElemF16;
+  using elem = ElemF16C;
   static vec load(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

@@ -117,7 +117,7 @@ struct Avx512BF16 : Avx512F32 {
 
 struct Avx512F16 : Avx512F32 {
   using storage = uint16_t;
-  using elem = ElemF16;
+  using elem = ElemF16C;
   // VCVTPS2PH keeps NaN payloads; NaN lanes become the canonical sign | 0x7E00, as the scalar
   // level (and c10::Half) give.
   static __m256i narrow(vec v) {

@@ -436,6 +436,61 @@ TEST(Strategies, SampledLoadSeesHotRows) {
   EXPECT_DOUBLE_EQ(sa::cpu::sampled_load(small.view(), n, std::nullopt), 1000.0 / n);
 }
 
+// float16 elements convert one at a time (a column, a short row) by the F16C instructions on the
+// levels compiled with them, and in integer arithmetic on the scalar one: every fp16 bit pattern
+// as out (infinities, NaNs of every payload, subnormals, both zeros) plus random non-NaN patterns
+// (sums that round at every magnitude, overflow to infinity, land among the subnormals) must give
+// the contract's bits on every path that converts elements: the sorted index's runs, a dense
+// scratch (N <= K), a sparse one and touched slots (N > K), the direct walk in place of rows met
+// once, and the planned walks.
+TEST(Strategies, EveryFloat16BitPatternConvertsAsTheContractSays) {
+  const int64_t n = 65536;
+  std::mt19937_64 rng(900);
+  Buf out0(DType::f16, static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) reinterpret_cast<uint16_t*>(out0.data())[r] = static_cast<uint16_t>(r);
+  struct Case {
+    const char* name;
+    std::vector<int64_t> iv;
+  };
+  std::vector<Case> cases;
+  std::vector<int64_t> iv(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) iv[static_cast<size_t>(i)] = i;
+  cases.push_back({"identity (sorted runs)", iv});
+  std::vector<int64_t> twice(static_cast<size_t>(2 * n));
+  for (int64_t i = 0; i < 2 * n; ++i) twice[static_cast<size_t>(i)] = i / 2;
+  cases.push_back({"each row twice, sorted", twice});
+  std::shuffle(iv.begin(), iv.end(), rng);
+  cases.push_back({"permutation (dense scratch)", iv});
+  for (int64_t i = 0; i < 2 * n; ++i) twice[static_cast<size_t>(i)] = (i * 40503) % n;
+  cases.push_back({"each row twice, scattered", twice});
+  cases.push_back({"a quarter of the rows, some twice", make_indices(Pattern::uniform, n, n / 4, rng)});
+  cases.push_back({"zipf", make_indices(Pattern::zipf, n, n / 8, rng)});
+  for (const Case& c : cases) {
+    const int64_t k = static_cast<int64_t>(c.iv.size());
+    Buf src(DType::f16, static_cast<size_t>(k));
+    for (int64_t i = 0; i < k; ++i) {  // no NaN: the sign of NaN + NaN is the operand order's, not the contract's
+      uint16_t h = static_cast<uint16_t>(rng());
+      while ((h & 0x7FFF) > 0x7C00) h = static_cast<uint16_t>(rng());
+      reinterpret_cast<uint16_t*>(src.data())[i] = h;
+    }
+    const Idx idx = make_idx(IndexType::i32, c.iv);
+    Buf want = out0;
+    reference_add(want, n, 1, 1, src, 1, c.iv, nullptr, std::nullopt);
+    for (sa::Strategy st : kStrategies)
+      for (int threads : {1, 2}) {
+        Buf out = out0;
+        sa::Options opt;
+        opt.strategy = st;
+        opt.num_threads = threads;
+        sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(src, k, 1, 1), {}, opt);
+        for (int64_t e = 0; e < n; ++e)
+          ASSERT_EQ(reinterpret_cast<const uint16_t*>(out.data())[e], reinterpret_cast<const uint16_t*>(want.data())[e])
+              << c.name << " strategy=" << sa::strategy_name(st) << " threads=" << threads << " isa="
+              << sa::isa_name(sa::active_isa()) << " row " << e << std::hex << " (out 0x" << e << ")";
+      }
+  }
+}
+
 // bf16/fp16 rows pass through a float32 scratch, and the way back makes every NaN the canonical
 // one: untouched rows holding other NaN payloads (signalling, negative, with payload bits) must
 // keep their bits, touched ones get the contract's rounding. Dense and sparse scratch, one column
