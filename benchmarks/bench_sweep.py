@@ -4,7 +4,7 @@ users bring, not only MoE rows: embedding gradients (N >> K), GNN message passin
 (tiny D, K >> N, power-law rows), histograms (D = 1), single-token decode (K <= 16).
 
 Grid: D in {1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096} x (N, K) pairs with N/K from 1/1000 to
-1000 plus tiny calls (K <= 64), float32 and bfloat16, index uniform; at D in {1, 8, 64, 256} also
+1000 plus tiny calls (K <= 64), float32 and bfloat16 (--dtypes to change), index uniform; at D in {1, 8, 64, 256} also
 sorted, zipf (power law, exponent 1.2, hot rows scattered) and one (every entry in one row); MoE
 top-2 and top-8 at D in {64, 1024, 4096}. Sizes shrink with D so no operand exceeds MAX_BYTES
 (16 MiB of float32 by default, --max-mb to change; the whole sweep takes about 3 minutes). Past
@@ -211,18 +211,18 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def heatmap(results, path, what, info):
+def heatmap(results, path, what, info, dtypes):
     """Speedup heatmaps (uniform index, decode-sized calls left out): scatter-add against torch's
-    best path on the top row, gather against index_select / x[idx] below, float32 and bfloat16."""
+    best path on the top row, gather against index_select / x[idx] below, a column per dtype."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plotting
 
     ratios = ["1/1000", "1/100", "1/10", "1", "10", "100", "1000"]
-    fig, axes = plotting.figure(2, 2, width=6.2, height=4.6, constrained_layout=True)
+    fig, axes = plotting.figure(2, len(dtypes), width=6.2, height=4.6, constrained_layout=True)
     ims = []
     for row, (key, name) in enumerate((("speedup", "scatter_add vs index_add_ / scatter_add_"),
                                        ("gather_speedup", "gather vs index_select / x[idx]"))):
-        for col, dt in enumerate(("float32", "bfloat16")):
+        for col, dt in enumerate(dtypes):
             ax = axes[row][col]
             grid = np.full((len(DS), len(RATIOS)), np.nan)
             for c in results:
@@ -250,9 +250,15 @@ def main():
     ap.add_argument("--cpu-time", action="store_true",
                     help="one thread everywhere, timed in thread CPU time: a fair per-core comparison "
                          "that a loaded machine does not distort (not the default: users run threads)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated dtypes of the cells (float32, bfloat16, float16, float64)")
     ap.add_argument("--rerun-below", type=float, default=1.0 + NOISE,
                     help="cells under this speedup are timed twice more, each path keeping its fastest run")
     args = ap.parse_args()
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in ("float32", "bfloat16", "float16", "float64"):
+            ap.error(f"--dtypes: {d!r} is not one of float32, bfloat16, float16, float64")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     MAX_BYTES = args.max_mb << 20
@@ -267,13 +273,13 @@ def main():
     stream = StreamCeiling()
     ceiling = stream.measure()
     grid = cells(args.quick)
-    total = 2 * len(grid)
+    total = len(dtypes) * len(grid)
     print(f"shape sweep: {total} cells, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"stream ceiling {ceiling:.1f} GB/s" + (" (quick subset)" if args.quick else "") +
           (", thread CPU time" if args.cpu_time else ""))
     results = []
     for i, (n, k, d, dist) in enumerate(grid):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in [getattr(torch, d) for d in dtypes]:
             big = (n, k, d, dist) in BANDWIDTH
             cell_ceiling = stream.measure() if big else None  # bandwidth drifts: measured right before
             c = run_cell(sa, n, k, d, dist, dtype, gen, args.budget, dist == "uniform")
@@ -313,7 +319,7 @@ def main():
     print(f"\nscatter-add vs torch's best: geometric mean {geomean(sp):.2f}x over {len(sp)} cells; "
           f"min {min(sp):.2f}x, max {max(sp):.2f}x; {sum(s < 1 for s in sp)} cells below 1.0x "
           f"({sum(s < 1 - NOISE for s in sp)} by more than {NOISE:.0%})")
-    for dt in ("float32", "bfloat16"):
+    for dt in dtypes:
         print(f"  {dt}: geometric mean {geomean([c['speedup'] for c in results if c['dtype'] == dt]):.2f}x")
     print("worst cells (ours us, torch us: best of index_add_ i64/i32 and scatter_add_):")
     for c in sorted(results, key=lambda c: c["speedup"])[:12]:
@@ -323,7 +329,7 @@ def main():
     print(f"latency: {len(small)} cells where torch takes under {SMALL_US:g} us; ours adds more than "
           f"{LATENCY_US:g} us in {len(over)}" + (": " + ", ".join(f"{label(c).strip()} +{added_us(c):.1f} us"
                                               for c in over[:6]) if over else ""))
-    big = [c for c in results if c["d"] * (2 if c["dtype"] == "bfloat16" else 4) >= 256 and c["bytes"] >= 64e6]
+    big = [c for c in results if c["d"] * torch.finfo(getattr(torch, c["dtype"])).bits // 8 >= 256 and c["bytes"] >= 64e6]
     low = [c for c in big if c["pct_ceiling"] < 70]
     print(f"bandwidth: {len(big)} cells with rows of 256 B or more moving 64 MB or more; "
           f"under 70% of the stream ceiling measured right before each: {len(low)}")
@@ -348,7 +354,7 @@ def main():
         pass
     clock = "thread CPU time" if CLOCK is time.thread_time else "wall time"
     png = out_dir / "sweep_speedup.png"
-    heatmap(results, png, f"Shape sweep: speedup of scatter-add over torch's best path ({clock}, medians)", info)
+    heatmap(results, png, f"Shape sweep: speedup of scatter-add over torch's best path ({clock}, medians)", info, dtypes)
     bench = out_dir / "bench.json"
     data = json.loads(bench.read_text()) if bench.exists() else {}
     data["sweep"] = {"cells": results, "stream_ceiling_gbs": ceiling, "geomean": geomean(sp),
