@@ -569,6 +569,50 @@ TEST(Strategies, UntouchedSubnormalsSurviveFlushDenormalMode) {
       }
 }
 
+// The floating-point control is per thread (torch.set_flush_denormal sets it on the calling one
+// only): the worker threads must add under the caller's, or rows a worker sums keep subnormals the
+// caller's rows flush. Subnormal weights (-2^-130) times 1: -2^-130 in every touched row with
+// subnormals kept, +0 with denormals-are-zero; on two threads the bits must be one thread's.
+TEST(Strategies, WorkerThreadsAddUnderTheCallersFlushDenormalMode) {
+  const unsigned saved = _mm_getcsr();
+  struct Shape {
+    int64_t n, k, d;
+  };
+  for (DType t : {DType::f32, DType::bf16, DType::f16})
+    for (Shape sh : {Shape{4096, 65536, 64}, Shape{200000, 400000, 1}})
+      for (sa::Strategy st : kStrategies) {
+        std::mt19937_64 rng(static_cast<uint64_t>(sh.d) * 7 + static_cast<uint64_t>(st));
+        Buf out0(t, static_cast<size_t>(sh.n * sh.d));
+        for (size_t e = 0; e < out0.size(); ++e) out0.set(e, 0.0);
+        Buf src(t, static_cast<size_t>(sh.k * sh.d));
+        for (size_t e = 0; e < src.size(); ++e) src.set(e, 1.0);
+        const std::vector<float> w(static_cast<size_t>(sh.k), -std::ldexp(1.0f, -130));
+        const Idx idx = make_idx(IndexType::i32, make_indices(Pattern::uniform, sh.n, sh.k, rng));
+        auto run = [&](int threads, bool flush) {
+          Buf out = out0;
+          sa::Options opt;
+          opt.strategy = st;
+          opt.num_threads = threads;
+          if (flush) _mm_setcsr(saved | 0x8040);  // FTZ | DAZ
+          sa::index_add_rows(mat(out, sh.n, sh.d, sh.d), idx.view(), cmat(src, sh.k, sh.d, sh.d), {w.data(), sh.k, DType::f32},
+                             opt);
+          _mm_setcsr(saved);
+          EXPECT_EQ(_mm_getcsr(), saved);
+          return out;
+        };
+        // Two threads first under the default control, so that the worker threads exist (a pool
+        // started with the flags set would inherit them).
+        const Buf kept = run(2, false), flushed = run(1, true), flushed2 = run(2, true);
+        ASSERT_NE(kept.bytes, flushed.bytes) << "denormals-are-zero made no difference";
+        for (size_t e = 0; e < flushed.size(); ++e)
+          ASSERT_EQ(std::memcmp(flushed.bytes.data() + e * sa::dtype_size(t), flushed2.bytes.data() + e * sa::dtype_size(t),
+                                sa::dtype_size(t)),
+                    0)
+              << sa::dtype_name(t) << " N=" << sh.n << " K=" << sh.k << " D=" << sh.d
+              << " strategy=" << sa::strategy_name(st) << " element " << e;
+      }
+}
+
 // Two threads updating disjoint rows of one bf16/fp16 output at the same time: each call writes
 // back only the rows its index names, so every update lands (a dense scratch that wrote every row
 // back, or a vector store that wrote a neighbour's lane back, would restore the other thread's
