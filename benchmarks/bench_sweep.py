@@ -12,7 +12,8 @@ that cap, a few bandwidth cells (rows of 256 B to 16 KiB, 64 MiB of float32 sour
 moving well over 64 MB) check the bandwidth goal, each against a stream ceiling measured right
 before it; they are left out of the heatmap.
 
-Per cell: ours = `scatter_add(out, index_int32, src)` through the public API; torch = the best of
+Per cell: ours = `scatter_add(out, index_int32, src)` through the public API (`--index int64` to
+give ours the int64 index instead); torch = the best of
 `index_add_` (int64 and int32 index) and `scatter_add_` with an expanded int64 index, each timed
 interleaved with ours (median of rounds). Gather (uniform cells): ours `gather(x, index)`
 against the best of `index_select` and `x[index]`. Prints the worst cells, the geometric means,
@@ -151,15 +152,23 @@ class StreamCeiling:
         return 3 * self.a.numel() * 4 / s / 1e9
 
 
+OURS_INDEX = torch.int32  # the index dtype ours is given (--index)
+
+
 def run_cell(sa, n, k, d, dist, dtype, gen, budget, gather):
     idx64 = make_index(dist, n, k, gen)
     idx32 = idx64.int()
-    src = torch.full((k, d), 1e-3, dtype=dtype)
+    ours_idx = idx32 if OURS_INDEX == torch.int32 else idx64
+    # Values of both signs, so that rows keep changing call after call: a constant 1e-3 piled up in
+    # bf16/fp16 rows until single adds rounded away, and ours then skipped writing back the rows
+    # whose sum rounded to their old bits, where torch writes every add.
+    vals = torch.Generator().manual_seed(n * 1_000_003 + k * 1009 + d)
+    src = ((torch.rand(k, d, generator=vals, dtype=torch.float64) - 0.5) * 2e-3).to(dtype)
     out = torch.zeros(n, d, dtype=dtype)
     exp = idx64[:, None].expand(k, d)
     distinct = int(torch.unique(idx64).numel())
     fns = [
-        lambda: sa.scatter_add(out, idx32, src),
+        lambda: sa.scatter_add(out, ours_idx, src),
         lambda: out.index_add_(0, idx64, src),
         lambda: out.index_add_(0, idx32, src),
         lambda: out.scatter_add_(0, exp, src),
@@ -174,7 +183,7 @@ def run_cell(sa, n, k, d, dist, dtype, gen, budget, gather):
     cell["speedup"] = cell["torch_us"] / cell["ours_us"]
     if gather:
         x = torch.full((n, d), 1e-3, dtype=dtype)
-        g = interleaved([lambda: sa.gather(x, idx32), lambda: x.index_select(0, idx64), lambda: x[idx64]],
+        g = interleaved([lambda: sa.gather(x, ours_idx), lambda: x.index_select(0, idx64), lambda: x[idx64]],
                         rounds=15, budget=budget)
         cell.update({"gather_us": g[0] * 1e6, "index_select_us": g[1] * 1e6, "getitem_us": g[2] * 1e6,
                      "gather_torch_us": min(g[1:]) * 1e6})
@@ -241,7 +250,7 @@ def heatmap(results, path, what, info, dtypes):
 
 
 def main():
-    global MAX_BYTES, CLOCK
+    global MAX_BYTES, CLOCK, OURS_INDEX
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few cells (make test runs it)")
     ap.add_argument("--out", default=str(ROOT / "results"))
@@ -252,16 +261,21 @@ def main():
                          "that a loaded machine does not distort (not the default: users run threads)")
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma-separated dtypes of the cells (float32, bfloat16, float16, float64)")
+    ap.add_argument("--index", choices=("int32", "int64"), default="int32",
+                    help="the index dtype ours is given (torch's paths take both as before)")
     ap.add_argument("--rerun-below", type=float, default=1.0 + NOISE,
                     help="cells under this speedup are timed twice more, each path keeping its fastest run")
     args = ap.parse_args()
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    dtypes = list(dict.fromkeys(d.strip() for d in args.dtypes.split(",") if d.strip()))
+    if not dtypes:
+        ap.error("--dtypes: give at least one of float32, bfloat16, float16, float64")
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16", "float64"):
             ap.error(f"--dtypes: {d!r} is not one of float32, bfloat16, float16, float64")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     MAX_BYTES = args.max_mb << 20
+    OURS_INDEX = getattr(torch, args.index)
     if args.cpu_time:
         CLOCK = time.thread_time
         torch.set_num_threads(1)
@@ -275,6 +289,7 @@ def main():
     grid = cells(args.quick)
     total = len(dtypes) * len(grid)
     print(f"shape sweep: {total} cells, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"ours given an {args.index} index, "
           f"stream ceiling {ceiling:.1f} GB/s" + (" (quick subset)" if args.quick else "") +
           (", thread CPU time" if args.cpu_time else ""))
     results = []
@@ -359,7 +374,8 @@ def main():
     data = json.loads(bench.read_text()) if bench.exists() else {}
     data["sweep"] = {"cells": results, "stream_ceiling_gbs": ceiling, "geomean": geomean(sp),
                      "geomean_gather": geomean(gs), "quick": args.quick, "wall_s": time.time() - t_start,
-                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__}
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+                     "ours_index": args.index, "dtypes": dtypes}
     bench.write_text(json.dumps(data, indent=1))
     print(f"wrote {png} and the sweep into {bench} ({time.time() - t_start:.0f} s)")
 
