@@ -98,7 +98,21 @@ using SmallMatmulFn = void (*)(const SmallMatmulJob& job, int64_t o0, int64_t o1
 // sum one FMA per c in increasing order (AVX2, for every level from it: kernels_avx2.cpp).
 void small_matmul_nn_avx2(const SmallMatmulJob& job, int64_t o0, int64_t o1);
 
+// The index pass every call makes before its first write (validate.cpp, scan_index): whether any
+// entry that is not ignore_index lies outside [0, n), how many are ignore_index, and (when asked)
+// whether the index is sorted (non-decreasing). In each level's vectors: compiled for the
+// baseline, the int64 compares had no vector form (SSE2) and the pass took a third of a float32
+// D = 1 call's walk.
+struct IndexCheck {
+  bool bad;
+  bool sorted;
+  int64_t ignored;
+};
+using IndexCheckFn = IndexCheck (*)(const void* index, int64_t k, int64_t n, bool has_ignore, int64_t ignore,
+                                    bool want_sorted);
+
 struct KernelTable {
+  IndexCheckFn index_check[2];   // [index is int64]
   AddRowsFn rows[4][2];          // [DType][weighted]
   AddDirectFn direct[4][2][2];   // [DType][weighted][index is int64]
   AddDirectFn runs[4][2][2];     // a sorted index: runs summed in registers

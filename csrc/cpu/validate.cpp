@@ -1,4 +1,5 @@
-// Argument checks (see validate.h) and views_may_overlap. Compiled without ISA flags.
+// Argument checks (see validate.h) and views_may_overlap. Compiled without ISA flags: the index
+// pass of every call runs in the active level's kernels (KernelTable::index_check).
 #include "validate.h"
 
 #include <algorithm>
@@ -6,6 +7,8 @@
 #include <cstdio>
 #include <limits>
 #include <type_traits>
+
+#include "dispatch.h"
 
 namespace scatter_add {
 
@@ -150,37 +153,22 @@ template <class I>
 cpu::IndexScan scan(const I* idx, int64_t k, int64_t n, std::optional<int64_t> ignore,
                     uint64_t* seen, uint64_t* repeated, int64_t* block_counts, int shift, bool want_sorted) {
   cpu::IndexScan s;
-  if (want_sorted) {
-    unsigned descents = 0;
-    for (int64_t i = 1; i < k; ++i) descents |= idx[i - 1] > idx[i];
-    s.sorted = descents == 0;
-  }
   const bool has_ignore = ignore.has_value();
   const int64_t ign = has_ignore ? *ignore : 0;
   const uint64_t un = static_cast<uint64_t>(n);
   int64_t ignored = 0;
   if (seen == nullptr && block_counts == nullptr) {
-    // The common case: branch-free passes the compiler vectorises, in the index's own width
-    // (values must lie in [0, min(n, I's max]): one unsigned compare catches negatives too).
-    using U = std::make_unsigned_t<I>;
-    const U lim = static_cast<uint64_t>(n) > static_cast<uint64_t>(std::numeric_limits<I>::max())
-                      ? static_cast<U>(static_cast<U>(std::numeric_limits<I>::max()) + 1)
-                      : static_cast<U>(n);
-    const bool ign_fits = has_ignore && ign >= std::numeric_limits<I>::min() && ign <= std::numeric_limits<I>::max();
-    unsigned bad = 0;
-    if (!ign_fits) {
-      for (int64_t i = 0; i < k; ++i) bad |= static_cast<U>(idx[i]) >= lim;
-    } else {
-      const I g = static_cast<I>(ign);
-      for (int64_t i = 0; i < k; ++i) {
-        const bool is_ignored = idx[i] == g;
-        ignored += is_ignored;
-        bad |= (static_cast<U>(idx[i]) >= lim) & !is_ignored;
-      }
-    }
-    if (bad) throw_bad_index(idx, k, n, ignore);
-    s.kept = k - ignored;
+    // The common case: the active level's vectorised pass (KernelTable::index_check).
+    const cpu::IndexCheck c = cpu::active_kernels().index_check[sizeof(I) == 8](idx, k, n, has_ignore, ign, want_sorted);
+    if (c.bad) throw_bad_index(idx, k, n, ignore);
+    s.sorted = c.sorted;
+    s.kept = k - c.ignored;
     return s;
+  }
+  if (want_sorted) {
+    unsigned descents = 0;
+    for (int64_t i = 1; i < k; ++i) descents |= idx[i - 1] > idx[i];
+    s.sorted = descents == 0;
   }
   for (int64_t i = 0; i < k; ++i) {
     const int64_t v = static_cast<int64_t>(idx[i]);
