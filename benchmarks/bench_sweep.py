@@ -369,7 +369,9 @@ def main():
         pass
     clock = "thread CPU time" if CLOCK is time.thread_time else "wall time"
     png = out_dir / "sweep_speedup.png"
-    heatmap(results, png, f"Shape sweep: speedup of scatter-add over torch's best path ({clock}, medians)", info, dtypes)
+    given = "" if args.index == "int32" else f", ours given an {args.index} index"
+    heatmap(results, png, f"Shape sweep: speedup of scatter-add over torch's best path ({clock}, medians{given})", info,
+            dtypes)
     bench = out_dir / "bench.json"
     data = json.loads(bench.read_text()) if bench.exists() else {}
     data["sweep"] = {"cells": results, "stream_ceiling_gbs": ceiling, "geomean": geomean(sp),
