@@ -4,8 +4,9 @@ users bring, not only MoE rows: embedding gradients (N >> K), GNN message passin
 (tiny D, K >> N, power-law rows), histograms (D = 1), single-token decode (K <= 16).
 
 Grid: D in {1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096} x (N, K) pairs with N/K from 1/1000 to
-1000 plus tiny calls (K <= 64), float32 and bfloat16 (--dtypes to change), index uniform; at D in {1, 8, 64, 256} also
-sorted, zipf (power law, exponent 1.2, hot rows scattered) and one (every entry in one row); MoE
+1000 plus tiny calls (K <= 64), float32 and bfloat16 (--dtypes to change), index uniform; at D in
+{1, 8, 64, 256} also sorted, zipf (power law, exponent 1.2, hot rows scattered) and one (every
+entry in one row); src values uniform in +-1e-3 (rows keep changing from call to call); MoE
 top-2 and top-8 at D in {64, 1024, 4096}. Sizes shrink with D so no operand exceeds MAX_BYTES
 (16 MiB of float32 by default, --max-mb to change; the whole sweep takes about 3 minutes). Past
 that cap, a few bandwidth cells (rows of 256 B to 16 KiB, 64 MiB of float32 sources or more, each
