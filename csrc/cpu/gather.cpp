@@ -107,7 +107,17 @@ bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_
     return *env == '1';
   const double src_bytes = row_bytes * static_cast<double>(std::min(x.rows, k));
   const int64_t l3 = store_keeping_l3_bytes();
-  if (l3 > 0 && (active_isa() < Isa::avx512 || dst_bytes + src_bytes < static_cast<double>(l3))) return false;
+  if (l3 > 0) {
+    // AMD: only with the AVX-512 kernels, rows of kStreamMinRowBytesL3 to kStreamMaxRowBytesL3, a
+    // dst that fills the L3 with the rows it reads, and an x whose rows come from memory.
+    const double x_bytes = static_cast<double>(x.rows) * static_cast<double>(std::max(x.row_stride, x.cols)) *
+                           static_cast<double>(dtype_size(x.dtype));
+    const double l3d = static_cast<double>(l3);
+    if (active_isa() < Isa::avx512 || row_bytes < static_cast<double>(CpuPolicy::kStreamMinRowBytesL3) ||
+        row_bytes > static_cast<double>(CpuPolicy::kStreamMaxRowBytesL3) ||
+        dst_bytes + src_bytes < l3d || x_bytes < static_cast<double>(CpuPolicy::kStreamSourceL3s) * l3d)
+      return false;
+  }
   const size_t es = dtype_size(dst.dtype);
   return pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + dst.cols)) * es);
 }

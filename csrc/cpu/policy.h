@@ -57,10 +57,26 @@ struct CpuPolicy {
   // 233 -> 290 us (244-266); 64 MiB results, where page faults of the new dst take most of the
   // call, 23.0 -> 25.5 ms and 27.0 -> 29.6 ms (float32 D = 256 and D = 64), 128 MiB 49.0 -> 47.6
   // ms (D = 1024).
+  // Later, on a Zen 5 EPYC (AVX-512, 32 MiB L3, 2 vCPUs), the same sweep's way (a new dst per
+  // call, x reused), ours alternated with index_select in one process, ours' speedup in three
+  // runs of each mode, plain / streamed: where x is no larger than the dst
+  // (16 MiB each) plain won, float32 N = K = 4096 D = 1024 1.00 / 0.68-0.71x, N = K = 65536 D = 64
+  // 1.26-1.32 / 0.75-0.78x, bfloat16 N = K = 8192 D = 1024 0.98-1.00 / 0.64-0.73x; 24 MiB each
+  // about even (0.95-1.02 / 0.87-1.11x). Streaming won where the rows come from an x far larger
+  // than the L3: a 16 MiB dst of 1 KiB rows from x of 390 MiB 0.98-1.08 / 1.11-1.13x, 976 MiB
+  // 0.97-0.99 / 1.14-1.17x, 1.9 GiB 0.98-1.02 / 1.08-1.13x, bfloat16 976 MiB 1.02-1.06 /
+  // 1.09-1.11x; but not from x of 195 MiB in 2 KiB rows (1.02-1.10 / 0.93-1.03x), nor with 4 KiB
+  // rows (976 MiB: 0.91-1.02 / 0.82-0.91x), nor with 256 B rows (488 MiB: 1.34-1.66 /
+  // 1.21-1.27x), nor into an 8 MiB dst (1.03-1.05 / 0.73-0.75x). From x of 488-976 MiB rows of
+  // 512 B and 2 KiB won too (1.07-1.15 / 1.22-1.28x, 0.99-1.09 / 1.15-1.21x). So on AMD x must
+  // span kStreamSourceL3s L3s, and rows take kStreamMinRowBytesL3 to kStreamMaxRowBytesL3.
   static constexpr int64_t kStreamAboveBytes = 4 << 20;
   static constexpr int64_t kAssumedL3Bytes = 32 << 20;
   static constexpr int64_t kStreamMinRowBytes = 256;
   static constexpr int64_t kStreamMaxRowBytes = 4096;
+  static constexpr int64_t kStreamMinRowBytesL3 = 512;
+  static constexpr int64_t kStreamMaxRowBytesL3 = 2048;
+  static constexpr int64_t kStreamSourceL3s = 8;
   static constexpr int kResidentSamples = 8;
 
   // --- planned rows (count / radix) ----------------------------------------------------------
