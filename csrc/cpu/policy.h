@@ -245,7 +245,8 @@ struct CpuPolicy {
   static constexpr double kRowSplitSkipNs = 11.0;
   // bf16/fp16 on two threads, rows of at most kDealMaxRowBytes: a row split first deals the
   // entries out to their rows' threads (direct_deals), as copies of at most kDealMaxBytes (kept
-  // between calls like the scratch), and then each thread walks only its own; it pays where the
+  // between calls like the scratch, in a buffer of two positions per entry, of which a call
+  // writes one), and then each thread walks only its own; it pays where the
   // walk's estimate per entry, halved, exceeds kDealNsPerEntry. On the 2-vCPU EPYC (no AVX-512),
   // torch 2.13, through the Python API, medians of 15 calls, one thread walking alone -> every
   // thread walking the whole index and skipping the other's entries -> dealt, bf16, uniform
@@ -253,7 +254,13 @@ struct CpuPolicy {
   // 0.85-0.91), zipf 0.70-0.74 -> 0.88 -> 0.65-0.66 ms; N = 300k K = 100k 0.97-0.99 -> 0.73-0.74
   // dealt; N = 4M K = 100k 1.56-1.73 -> 1.41-1.46 -> 0.98-1.18 ms; D = 4 N = 1M K = 100k
   // 1.69-1.83 -> 1.55 -> 1.07-1.26 ms. Dealing itself took about 2 ns per entry of wall time
-  // (K = 1M: counting 0.36 ms, copies 1.63 ms). It lost where the estimate per entry is 4.5 to 6.5
+  // (K = 1M: counting 0.36 ms, copies 1.63 ms). The counting pass has gone since (each half is
+  // dealt outward from the middle of each thread's positions, the first half downward), and the
+  // deal and the walks share one parallel region: on a Zen 5 EPYC (AVX-512), two builds
+  // alternated in one process, 15 rounds of 15-call medians, quartiles of the paired ratios, bf16
+  // N = 1M K = 100k D = 1 uniform 0.87-0.91x of the time, zipf 0.84-0.93x, D = 2 0.83-0.90x, D = 4
+  // 0.78-0.91x, N = K = 262144 D = 8 0.86-1.02x; float16 D = 1 0.87-0.96x. kDealNsPerEntry was
+  // not refitted. It lost where the estimate per entry is 4.5 to 6.5
   // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms); at 8.7 to 8.8 ns it went either way (N = K = 1M
   // D = 4 14.8-15.7 -> 9.5-9.8 ms, N = 52429 K = 524288 D = 8 2.63-2.77 -> 2.80-2.85 ms, N = 100k
   // K = 1M D = 8 zipf 4.7-5.7 ms both ways); the cells above, at 10.5 to 16.8 ns, and N = K = 1M

@@ -17,10 +17,13 @@
 // row split has every thread walk the whole index and skip the others' entries). Otherwise one
 // thread walks alone, and a float32 scratch's copies in and back still divide over the threads.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dispatch.h"
@@ -115,7 +118,7 @@ class KeptScratchUse {
   ~KeptScratchUse() {
     if (std::uncaught_exceptions() > entered_ ||
         k_.bytes() - k_.parts.bytes() > static_cast<size_t>(CpuPolicy::kKeptScratchBytes) ||
-        k_.parts.bytes() > static_cast<size_t>(CpuPolicy::kDealMaxBytes))
+        k_.parts.bytes() > 2 * static_cast<size_t>(CpuPolicy::kDealMaxBytes))  // two positions an entry
       k_.release();
   }
 
@@ -205,37 +208,26 @@ inline int64_t pick(bool take, int64_t a, int64_t b) {
   return (a & m) | (b & ~m);
 }
 
-// The kept entries of [i0, i1) whose rows each thread owns.
-template <class I>
-void count_owned(const I* __restrict idx, int64_t i0, int64_t i1, int64_t cut, std::optional<int64_t> ignore,
-                 int64_t* own) {
-  const bool has_ign = ignore.has_value();
-  const int64_t ign = has_ign ? *ignore : 0;
-  int64_t c0 = 0, c1 = 0;
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t r = static_cast<int64_t>(idx[i]);
-    const bool keep = !(has_ign && r == ign), second = r >= cut;
-    c0 += keep & !second;
-    c1 += keep & second;
-  }
-  own[0] = c0;
-  own[1] = c1;
-}
-
-// Entries [i0, i1) to positions p0 on (the first thread's rows) and p1 on (the second's); every
-// entry is written, an ignored one to `trash`, so that no store waits on a branch. Rows of
-// RowBytes bytes (0: rb, not known at compile time); asz bytes of weight (0: none).
-template <size_t RowBytes, class I>
-void deal_entries(const I* __restrict idx, int64_t i0, int64_t i1, const unsigned char* __restrict src,
-                  size_t src_row_bytes, size_t rb, const unsigned char* __restrict w, size_t asz, int64_t cut,
-                  std::optional<int64_t> ignore, const DealTo& to, int64_t p0, int64_t p1, int64_t trash) {
+// Entries [i0, i1) to positions p0 on (the first thread's rows) and p1 on (the second's), upward;
+// or, Down, from the last entry to the first, to positions p0 and p1 downward, so that the
+// positions again hold the entries in increasing source order. Every entry is written, an ignored
+// one to `trash`, so that no store waits on a branch. Rows of RowBytes bytes (0: rb, not known at
+// compile time); asz bytes of weight (0: none). Returns the positions after the last written of
+// each thread (below the first, Down).
+template <size_t RowBytes, bool Down, class I>
+std::pair<int64_t, int64_t> deal_entries(const I* __restrict idx, int64_t i0, int64_t i1,
+                                         const unsigned char* __restrict src, size_t src_row_bytes, size_t rb,
+                                         const unsigned char* __restrict w, size_t asz, int64_t cut,
+                                         std::optional<int64_t> ignore, const DealTo& to, int64_t p0, int64_t p1,
+                                         int64_t trash) {
   const size_t bytes = RowBytes != 0 ? RowBytes : rb;
   const bool has_ign = ignore.has_value();
   const int64_t ign = has_ign ? *ignore : 0;
   I* __restrict ids = static_cast<I*>(to.ids);
   unsigned char* __restrict rows = to.rows;
   unsigned char* __restrict ws = to.ws;
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int64_t n = i1 - i0, j = 0; j < n; ++j) {
+    const int64_t i = Down ? i1 - 1 - j : i0 + j;
     const I v = idx[i];
     const int64_t r = static_cast<int64_t>(v);
     const bool keep = !(has_ign && r == ign), second = r >= cut;
@@ -243,10 +235,44 @@ void deal_entries(const I* __restrict idx, int64_t i0, int64_t i1, const unsigne
     ids[pos] = v;
     std::memcpy(rows + static_cast<size_t>(pos) * bytes, src + static_cast<size_t>(i) * src_row_bytes, bytes);
     if (asz != 0) std::memcpy(ws + static_cast<size_t>(pos) * asz, w + static_cast<size_t>(i) * asz, asz);
-    p0 += keep & !second;
-    p1 += keep & second;
+    const int64_t step = Down ? -1 : 1;
+    p0 += step & -static_cast<int64_t>(keep & !second);
+    p1 += step & -static_cast<int64_t>(keep & second);
   }
+  return {p0, p1};
 }
+
+// The threads of one parallel_run meeting between two phases: nth arrive, the last releases the
+// others (each thread of a parallel_run runs at once, under OpenMP or std::thread).
+class SpinBarrier {
+ public:
+  void arrive_and_wait(int nth) {
+    if (nth <= 1) return;
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == nth) {
+      arrived_.store(0, std::memory_order_relaxed);
+      gen_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    // Past a few thousand spins the other thread is likely descheduled (more threads than
+    // cores): give it the core.
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 4096)
+        spin_pause();
+      else
+        std::this_thread::yield();
+    }
+  }
+
+ private:
+  static void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+  }
+  std::atomic<int> arrived_{0};
+  std::atomic<int> gen_{0};
+};
 
 }  // namespace
 
@@ -452,15 +478,10 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       else
         f(static_cast<const int32_t*>(index.data));
     };
-    // Positions: the first thread's entries of each half, then the second's; a trash slot per half.
-    int64_t own[2][2];
-    parallel_run(2, [&](int t, int nth) {
-      for (int h = t; h < 2; h += nth)
-        by_index([&](const auto* idx) { count_owned(idx, h == 0 ? 0 : half, h == 0 ? half : k, cut_row, o.ignore_index, own[h]); });
-    });
-    const int64_t from1 = own[0][0] + own[1][0], total = from1 + own[0][1] + own[1][1];
-    const int64_t start[2][2] = {{0, from1}, {own[0][0], from1 + own[0][1]}};
-    const size_t entries = static_cast<size_t>(total + 2);
+    // Positions: the first thread's entries in [0, k), the second's in [k, 2k), each dealt around
+    // its middle (the first half of the index downward from it, the second half upward), so that
+    // no pass counts them first; a trash slot per half at 2k and 2k + 1.
+    const size_t entries = static_cast<size_t>(2 * k + 2);
     auto lined = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
     const size_t ids_bytes = lined(entries * isz), rows_bytes = lined(entries * rb);
     unsigned char* const base = reinterpret_cast<unsigned char*>(
@@ -468,13 +489,26 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     const DealTo to{base, base + ids_bytes, base + ids_bytes + rows_bytes};
     const unsigned char* const src_bytes = static_cast<const unsigned char*>(src.data);
     const size_t src_row_bytes = static_cast<size_t>(src.row_stride) * es;
+    // ends[h]: after half h, each thread's next position (below its first, for the first half).
+    std::pair<int64_t, int64_t> ends[2];
     auto deal = [&](int h, auto row_bytes) {
       by_index([&](const auto* idx) {
-        deal_entries<decltype(row_bytes)::value>(idx, h == 0 ? 0 : half, h == 0 ? half : k, src_bytes, src_row_bytes, rb,
-                                                 static_cast<const unsigned char*>(w), asz, cut_row, o.ignore_index, to,
-                                                 start[h][0], start[h][1], total + h);
+        constexpr size_t R = decltype(row_bytes)::value;
+        const auto wb = static_cast<const unsigned char*>(w);
+        if (h == 0)
+          ends[0] = deal_entries<R, true>(idx, 0, half, src_bytes, src_row_bytes, rb, wb, asz, cut_row, o.ignore_index,
+                                          to, half - 1, k + half - 1, 2 * k);
+        else
+          ends[1] = deal_entries<R, false>(idx, half, k, src_bytes, src_row_bytes, rb, wb, asz, cut_row, o.ignore_index,
+                                           to, half, k + half, 2 * k + 1);
       });
     };
+    job.index = to.ids;
+    job.src = to.rows;
+    job.src_stride = d;
+    if (weighted) job.w = to.ws;
+    job.has_ignore = false;  // dealt out already
+    SpinBarrier dealt_out;
     parallel_run(2, [&](int t, int nth) {
       for (int h = t; h < 2; h += nth) {
         switch (rb) {
@@ -487,21 +521,15 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
           default: deal(h, std::integral_constant<size_t, 0>{}); break;
         }
       }
-    });
-    job.index = to.ids;
-    job.src = to.rows;
-    job.src_stride = d;
-    if (weighted) job.w = to.ws;
-    job.has_ignore = false;  // dealt out already
-    const int64_t from[3] = {0, from1, total};
-    parallel_run(2, [&](int t, int nth) {
+      dealt_out.arrive_and_wait(nth);
+      const int64_t from[2][2] = {{ends[0].first + 1, ends[1].first}, {ends[0].second + 1, ends[1].second}};
       for (int b = t; b < 2; b += nth) {
         DirectJob mine = job;
         mine.row_lo = b == 0 ? 0 : cut_row;
         mine.row_hi = b == 0 ? cut_row : n;
         if (mine.row_lo >= mine.row_hi) continue;
         const int64_t w0 = mine.row_lo >> 6, w1 = (mine.row_hi + 63) >> 6;
-        const int64_t i0 = from[b], i1 = from[b + 1];
+        const int64_t i0 = from[b][0], i1 = from[b][1];
         AddDirectFn walk = add;
         if (sparse) {  // the rows of this thread met twice or more; its slots after half the first's entries
           by_index([&](const auto* idx) {
@@ -512,7 +540,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
               seen[r >> 6] |= bit;
             }
           });
-          const int64_t first_slot = b == 0 ? 0 : from1 / 2;
+          const int64_t first_slot = b == 0 ? 0 : (from[0][1] - from[0][0]) / 2;
           int64_t slot = first_slot;
           for (int64_t wd = w0; wd < w1; ++wd) {
             slot_base[wd] = slot;

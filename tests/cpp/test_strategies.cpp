@@ -278,6 +278,7 @@ TEST(Strategies, TwoThreadRowSplitsGiveTheContractBits) {
   const Shape shapes[] = {
       {200000, 30000, 1, Pattern::uniform, true},  // sparse scratch
       {200000, 30000, 1, Pattern::zipf, true},
+      {200000, 30001, 2, Pattern::uniform, true},  // an odd K: halves of K / 2 and K / 2 + 1 entries
       {30000, 20000, 16, Pattern::uniform, true},  // touched slots
       {100000, 300000, 8, Pattern::zipf, true},    // dense, marked
       {60000, 40000, 4, Pattern::uniform, true},
