@@ -5,6 +5,7 @@
 // accumulator type (float for f32/bf16/f16, double for f64), rounded once to the storage type.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace scatter_add {
@@ -111,8 +112,36 @@ struct IndexCheck {
 using IndexCheckFn = IndexCheck (*)(const void* index, int64_t k, int64_t n, bool has_ignore, int64_t ignore,
                                     bool want_sorted);
 
+// A two-thread row split's deal (strategy_direct.cpp): entries [i0, i1) copied, with their
+// source rows and weights, to positions p0 on (rows below `cut`, the first thread's) and p1 on
+// (the second's), upward; or, downward, from the last entry to the first, to positions p0 and p1
+// down, so that the positions again hold the entries in increasing source order. An entry at
+// ignore is dropped (the scalar loop stores it at `trash`, so that no store waits on a branch).
+// Returns the positions after the last written of each thread (below the first, downward). The
+// AVX-512 levels deal 16 entries (8 of an int64 index) at a time by compress and masked stores,
+// for rows of 2 or 4 bytes back to back and weights of 4 bytes; the others entry by entry.
+struct DealJob {
+  const void* index;
+  const unsigned char* src;
+  size_t src_row_bytes;  // bytes from one source row to the next
+  size_t row_bytes;      // bytes copied per row
+  const unsigned char* w;
+  size_t w_bytes;  // bytes per weight (0: none)
+  int64_t cut;
+  bool has_ignore;
+  int64_t ignore;
+  void* ids;
+  unsigned char* rows;
+  unsigned char* ws;
+};
+struct DealEnds {
+  int64_t p0, p1;
+};
+using DealFn = DealEnds (*)(const DealJob& job, int64_t i0, int64_t i1, int64_t p0, int64_t p1, int64_t trash);
+
 struct KernelTable {
   IndexCheckFn index_check[2];   // [index is int64]
+  DealFn deal[2][2];             // [index is int64][downward]
   AddRowsFn rows[4][2];          // [DType][weighted]
   AddDirectFn direct[4][2][2];   // [DType][weighted][index is int64]
   AddDirectFn runs[4][2][2];     // a sorted index: runs summed in registers

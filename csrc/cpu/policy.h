@@ -259,8 +259,11 @@ struct CpuPolicy {
   // deal and the walks share one parallel region: on a Zen 5 EPYC (AVX-512), two builds
   // alternated in one process, 15 rounds of 15-call medians, quartiles of the paired ratios, bf16
   // N = 1M K = 100k D = 1 uniform 0.87-0.91x of the time, zipf 0.84-0.93x, D = 2 0.83-0.90x, D = 4
-  // 0.78-0.91x, N = K = 262144 D = 8 0.86-1.02x; float16 D = 1 0.87-0.96x. kDealNsPerEntry was
-  // not refitted. It lost where the estimate per entry is 4.5 to 6.5
+  // 0.78-0.91x, N = K = 262144 D = 8 0.86-1.02x; float16 D = 1 0.87-0.96x. Then the AVX-512
+  // levels' deal by compress and masked stores (rows of 2 and 4 bytes), the same way against the
+  // build before both changes: D = 1 uniform 0.66-0.69x, zipf 0.67-0.68x, D = 2 0.73-0.75x,
+  // float16 D = 1 0.66-0.68x (index_add_ then 1.20-1.34x slower than ours); D = 4 0.88-0.90x.
+  // kDealNsPerEntry was not refitted. It lost where the estimate per entry is 4.5 to 6.5
   // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms); at 8.7 to 8.8 ns it went either way (N = K = 1M
   // D = 4 14.8-15.7 -> 9.5-9.8 ms, N = 52429 K = 524288 D = 8 2.63-2.77 -> 2.80-2.85 ms, N = 100k
   // K = 1M D = 8 zipf 4.7-5.7 ms both ways); the cells above, at 10.5 to 16.8 ns, and N = K = 1M

@@ -993,11 +993,158 @@ IndexCheck check_index_values(const void* index, int64_t k, int64_t n, bool has_
   return s;
 }
 
+// KernelTable::deal, entry by entry: rows of RowBytes bytes (0: job.row_bytes). The position
+// is chosen by masks: a branch here would be mispredicted for about every other entry.
+template <size_t RowBytes, bool Down, class I>
+DealEnds deal_scalar(const DealJob& j, int64_t i0, int64_t i1, int64_t p0, int64_t p1, int64_t trash) {
+  const size_t bytes = RowBytes != 0 ? RowBytes : j.row_bytes, asz = j.w_bytes, srb = j.src_row_bytes;
+  const bool has_ign = j.has_ignore;
+  const int64_t ign = has_ign ? j.ignore : 0, cut = j.cut;
+  const I* __restrict idx = static_cast<const I*>(j.index);
+  const unsigned char* __restrict src = j.src;
+  const unsigned char* __restrict w = j.w;
+  I* __restrict ids = static_cast<I*>(j.ids);
+  unsigned char* __restrict rows = j.rows;
+  unsigned char* __restrict ws = j.ws;
+  auto pick = [](bool take, int64_t a, int64_t b) {
+    const int64_t m = -static_cast<int64_t>(take);
+    return (a & m) | (b & ~m);
+  };
+  constexpr int64_t step = Down ? -1 : 1;
+  for (int64_t n = i1 - i0, jj = 0; jj < n; ++jj) {
+    const int64_t i = Down ? i1 - 1 - jj : i0 + jj;
+    const I v = idx[i];
+    const int64_t r = static_cast<int64_t>(v);
+    const bool keep = !(has_ign && r == ign), second = r >= cut;
+    const int64_t pos = pick(keep, pick(second, p1, p0), trash);
+    ids[pos] = v;
+    std::memcpy(rows + static_cast<size_t>(pos) * bytes, src + static_cast<size_t>(i) * srb, bytes);
+    if (asz != 0) std::memcpy(ws + static_cast<size_t>(pos) * asz, w + static_cast<size_t>(i) * asz, asz);
+    p0 += step & -static_cast<int64_t>(keep & !second);
+    p1 += step & -static_cast<int64_t>(keep & second);
+  }
+  return {p0, p1};
+}
+
+template <bool Down, class I>
+DealEnds deal_rows_scalar(const DealJob& j, int64_t i0, int64_t i1, int64_t p0, int64_t p1, int64_t trash) {
+  switch (j.row_bytes) {
+    case 2: return deal_scalar<2, Down, I>(j, i0, i1, p0, p1, trash);
+    case 4: return deal_scalar<4, Down, I>(j, i0, i1, p0, p1, trash);
+    case 8: return deal_scalar<8, Down, I>(j, i0, i1, p0, p1, trash);
+    case 16: return deal_scalar<16, Down, I>(j, i0, i1, p0, p1, trash);
+    case 32: return deal_scalar<32, Down, I>(j, i0, i1, p0, p1, trash);
+    case 64: return deal_scalar<64, Down, I>(j, i0, i1, p0, p1, trash);
+    default: return deal_scalar<0, Down, I>(j, i0, i1, p0, p1, trash);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// One block of L entries (16 of int32, 8 of int64) from entry i: each thread's entries compressed
+// to the front of a register, in order, and stored by a mask of their count at its position
+// (Down: the count below it). Rows of RowBytes (2 or 4) back to back, weights of WBytes (0 or 4).
+template <size_t RowBytes, size_t WBytes, bool Down, class I>
+inline void deal_block(const DealJob& j, int64_t i, int64_t& p0, int64_t& p1, bool ign_fits, bool all_first) {
+  constexpr bool wide = sizeof(I) == 8;
+  const I* idx = static_cast<const I*>(j.index);
+  __m512i v = _mm512_loadu_si512(idx + i);
+  unsigned keep, sec;
+  if (wide) {
+    keep = ign_fits ? _mm512_cmpneq_epi64_mask(v, _mm512_set1_epi64(j.ignore)) : 0xFFu;
+    sec = all_first ? 0u : _mm512_cmpge_epi64_mask(v, _mm512_set1_epi64(j.cut));
+  } else {
+    keep = ign_fits ? _mm512_cmpneq_epi32_mask(v, _mm512_set1_epi32(static_cast<int32_t>(j.ignore))) : 0xFFFFu;
+    sec = all_first ? 0u : _mm512_cmpge_epi32_mask(v, _mm512_set1_epi32(static_cast<int32_t>(j.cut)));
+  }
+  sec &= keep;
+  const unsigned fst = keep & ~sec;
+  const int c[2] = {__builtin_popcount(fst), __builtin_popcount(sec)};
+  const unsigned m[2] = {fst, sec};
+  const int64_t at[2] = {Down ? p0 - c[0] + 1 : p0, Down ? p1 - c[1] + 1 : p1};
+  const unsigned char* s = j.src + static_cast<size_t>(i) * RowBytes;
+  const unsigned char* w = WBytes != 0 ? j.w + static_cast<size_t>(i) * WBytes : nullptr;
+  for (int t = 0; t < 2; ++t) {
+    const unsigned store = (1u << c[t]) - 1u;
+    const int64_t a = at[t];
+    if (wide) {
+      _mm512_mask_storeu_epi64(static_cast<int64_t*>(j.ids) + a, static_cast<__mmask8>(store),
+                               _mm512_maskz_compress_epi64(static_cast<__mmask8>(m[t]), v));
+      if (RowBytes == 2) {
+        const __m256i r = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+        _mm_mask_storeu_epi16(j.rows + a * 2, static_cast<__mmask8>(store),
+                              _mm256_cvtepi32_epi16(_mm256_maskz_compress_epi32(static_cast<__mmask8>(m[t]), r)));
+      } else {
+        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+        _mm256_mask_storeu_epi32(j.rows + a * 4, static_cast<__mmask8>(store),
+                                 _mm256_maskz_compress_epi32(static_cast<__mmask8>(m[t]), r));
+      }
+      if (WBytes == 4) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        _mm256_mask_storeu_epi32(j.ws + a * 4, static_cast<__mmask8>(store),
+                                 _mm256_maskz_compress_epi32(static_cast<__mmask8>(m[t]), x));
+      }
+    } else {
+      _mm512_mask_storeu_epi32(static_cast<int32_t*>(j.ids) + a, static_cast<__mmask16>(store),
+                               _mm512_maskz_compress_epi32(static_cast<__mmask16>(m[t]), v));
+      if (RowBytes == 2) {
+        const __m512i r = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+        _mm256_mask_storeu_epi16(j.rows + a * 2, static_cast<__mmask16>(store),
+                                 _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(static_cast<__mmask16>(m[t]), r)));
+      } else {
+        const __m512i r = _mm512_loadu_si512(s);
+        _mm512_mask_storeu_epi32(j.rows + a * 4, static_cast<__mmask16>(store),
+                                 _mm512_maskz_compress_epi32(static_cast<__mmask16>(m[t]), r));
+      }
+      if (WBytes == 4) {
+        const __m512i x = _mm512_loadu_si512(w);
+        _mm512_mask_storeu_epi32(j.ws + a * 4, static_cast<__mmask16>(store),
+                                 _mm512_maskz_compress_epi32(static_cast<__mmask16>(m[t]), x));
+      }
+    }
+  }
+  p0 += Down ? -c[0] : c[0];
+  p1 += Down ? -c[1] : c[1];
+}
+
+template <size_t RowBytes, size_t WBytes, bool Down, class I>
+DealEnds deal_vector(const DealJob& j, int64_t i0, int64_t i1, int64_t p0, int64_t p1, int64_t trash) {
+  constexpr int64_t L = 64 / sizeof(I);
+  const bool ign_fits =
+      j.has_ignore && j.ignore >= std::numeric_limits<I>::min() && j.ignore <= std::numeric_limits<I>::max();
+  const bool all_first = j.cut > std::numeric_limits<I>::max();  // no entry reaches the second's rows
+  const int64_t blocks = (i1 - i0) / L;
+  for (int64_t b = 0; b < blocks; ++b)
+    deal_block<RowBytes, WBytes, Down, I>(j, Down ? i1 - (b + 1) * L : i0 + b * L, p0, p1, ign_fits, all_first);
+  // The entries left over: below the blocks (Down) or above them.
+  const DealEnds e = Down ? deal_scalar<RowBytes, Down, I>(j, i0, i1 - blocks * L, p0, p1, trash)
+                          : deal_scalar<RowBytes, Down, I>(j, i0 + blocks * L, i1, p0, p1, trash);
+  return e;
+}
+#endif
+
+template <bool Down, class I>
+DealEnds deal_entries(const DealJob& j, int64_t i0, int64_t i1, int64_t p0, int64_t p1, int64_t trash) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (j.src_row_bytes == j.row_bytes && (j.w_bytes == 0 || j.w_bytes == 4)) {
+    const bool wt = j.w_bytes == 4;
+    if (j.row_bytes == 2)
+      return wt ? deal_vector<2, 4, Down, I>(j, i0, i1, p0, p1, trash) : deal_vector<2, 0, Down, I>(j, i0, i1, p0, p1, trash);
+    if (j.row_bytes == 4)
+      return wt ? deal_vector<4, 4, Down, I>(j, i0, i1, p0, p1, trash) : deal_vector<4, 0, Down, I>(j, i0, i1, p0, p1, trash);
+  }
+#endif
+  return deal_rows_scalar<Down, I>(j, i0, i1, p0, p1, trash);
+}
+
 template <class F32, class F64, class BF16, class F16>
 KernelTable make_table() {
   KernelTable t{};
   t.index_check[0] = &check_index_values<int32_t>;
   t.index_check[1] = &check_index_values<int64_t>;
+  t.deal[0][0] = &deal_entries<false, int32_t>;
+  t.deal[0][1] = &deal_entries<true, int32_t>;
+  t.deal[1][0] = &deal_entries<false, int64_t>;
+  t.deal[1][1] = &deal_entries<true, int64_t>;
   fill_row<F32>(t, 0);
   fill_row<F64>(t, 1);
   fill_row<BF16>(t, 2);

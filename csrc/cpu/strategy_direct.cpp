@@ -23,7 +23,6 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "dispatch.h"
@@ -190,56 +189,6 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       if (i0 < i1) runs(job, i0, i1, 0, d);
     }
   });
-}
-
-// A row split of narrow rows over two threads deals the entries out to the thread that owns each
-// entry's row (rows below `cut`: the first) as copies of the index value, source row and weight,
-// the first thread's entries and then the second's, each in increasing source order. An entry at
-// ignore_index goes to a trash position that no walk reads.
-struct DealTo {
-  void* ids;
-  unsigned char* rows;
-  unsigned char* ws;
-};
-
-// a if take, else b, by masks: a branch here would be mispredicted for about every other entry.
-inline int64_t pick(bool take, int64_t a, int64_t b) {
-  const int64_t m = -static_cast<int64_t>(take);
-  return (a & m) | (b & ~m);
-}
-
-// Entries [i0, i1) to positions p0 on (the first thread's rows) and p1 on (the second's), upward;
-// or, Down, from the last entry to the first, to positions p0 and p1 downward, so that the
-// positions again hold the entries in increasing source order. Every entry is written, an ignored
-// one to `trash`, so that no store waits on a branch. Rows of RowBytes bytes (0: rb, not known at
-// compile time); asz bytes of weight (0: none). Returns the positions after the last written of
-// each thread (below the first, Down).
-template <size_t RowBytes, bool Down, class I>
-std::pair<int64_t, int64_t> deal_entries(const I* __restrict idx, int64_t i0, int64_t i1,
-                                         const unsigned char* __restrict src, size_t src_row_bytes, size_t rb,
-                                         const unsigned char* __restrict w, size_t asz, int64_t cut,
-                                         std::optional<int64_t> ignore, const DealTo& to, int64_t p0, int64_t p1,
-                                         int64_t trash) {
-  const size_t bytes = RowBytes != 0 ? RowBytes : rb;
-  const bool has_ign = ignore.has_value();
-  const int64_t ign = has_ign ? *ignore : 0;
-  I* __restrict ids = static_cast<I*>(to.ids);
-  unsigned char* __restrict rows = to.rows;
-  unsigned char* __restrict ws = to.ws;
-  for (int64_t n = i1 - i0, j = 0; j < n; ++j) {
-    const int64_t i = Down ? i1 - 1 - j : i0 + j;
-    const I v = idx[i];
-    const int64_t r = static_cast<int64_t>(v);
-    const bool keep = !(has_ign && r == ign), second = r >= cut;
-    const int64_t pos = pick(keep, pick(second, p1, p0), trash);
-    ids[pos] = v;
-    std::memcpy(rows + static_cast<size_t>(pos) * bytes, src + static_cast<size_t>(i) * src_row_bytes, bytes);
-    if (asz != 0) std::memcpy(ws + static_cast<size_t>(pos) * asz, w + static_cast<size_t>(i) * asz, asz);
-    const int64_t step = Down ? -1 : 1;
-    p0 += step & -static_cast<int64_t>(keep & !second);
-    p1 += step & -static_cast<int64_t>(keep & second);
-  }
-  return {p0, p1};
 }
 
 // The threads of one parallel_run meeting between two phases: nth arrive, the last releases the
@@ -486,43 +435,27 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     const size_t ids_bytes = lined(entries * isz), rows_bytes = lined(entries * rb);
     unsigned char* const base = reinterpret_cast<unsigned char*>(
         kept.parts.get((ids_bytes + rows_bytes + lined(entries * asz)) / sizeof(uint64_t)));
-    const DealTo to{base, base + ids_bytes, base + ids_bytes + rows_bytes};
-    const unsigned char* const src_bytes = static_cast<const unsigned char*>(src.data);
-    const size_t src_row_bytes = static_cast<size_t>(src.row_stride) * es;
+    const DealJob dj{index.data, static_cast<const unsigned char*>(src.data), static_cast<size_t>(src.row_stride) * es,
+                     rb, static_cast<const unsigned char*>(w), asz, cut_row, o.ignore_index.has_value(),
+                     o.ignore_index.value_or(0), base, base + ids_bytes, base + ids_bytes + rows_bytes};
     // ends[h]: after half h, each thread's next position (below its first, for the first half).
-    std::pair<int64_t, int64_t> ends[2];
-    auto deal = [&](int h, auto row_bytes) {
-      by_index([&](const auto* idx) {
-        constexpr size_t R = decltype(row_bytes)::value;
-        const auto wb = static_cast<const unsigned char*>(w);
-        if (h == 0)
-          ends[0] = deal_entries<R, true>(idx, 0, half, src_bytes, src_row_bytes, rb, wb, asz, cut_row, o.ignore_index,
-                                          to, half - 1, k + half - 1, 2 * k);
-        else
-          ends[1] = deal_entries<R, false>(idx, half, k, src_bytes, src_row_bytes, rb, wb, asz, cut_row, o.ignore_index,
-                                           to, half, k + half, 2 * k + 1);
-      });
+    DealEnds ends[2];
+    auto deal = [&](int h) {
+      if (h == 0)
+        ends[0] = kt.deal[i64][1](dj, 0, half, half - 1, k + half - 1, 2 * k);
+      else
+        ends[1] = kt.deal[i64][0](dj, half, k, half, k + half, 2 * k + 1);
     };
-    job.index = to.ids;
-    job.src = to.rows;
+    job.index = dj.ids;
+    job.src = dj.rows;
     job.src_stride = d;
-    if (weighted) job.w = to.ws;
+    if (weighted) job.w = dj.ws;
     job.has_ignore = false;  // dealt out already
     SpinBarrier dealt_out;
     parallel_run(2, [&](int t, int nth) {
-      for (int h = t; h < 2; h += nth) {
-        switch (rb) {
-          case 2: deal(h, std::integral_constant<size_t, 2>{}); break;
-          case 4: deal(h, std::integral_constant<size_t, 4>{}); break;
-          case 8: deal(h, std::integral_constant<size_t, 8>{}); break;
-          case 16: deal(h, std::integral_constant<size_t, 16>{}); break;
-          case 32: deal(h, std::integral_constant<size_t, 32>{}); break;
-          case 64: deal(h, std::integral_constant<size_t, 64>{}); break;
-          default: deal(h, std::integral_constant<size_t, 0>{}); break;
-        }
-      }
+      for (int h = t; h < 2; h += nth) deal(h);
       dealt_out.arrive_and_wait(nth);
-      const int64_t from[2][2] = {{ends[0].first + 1, ends[1].first}, {ends[0].second + 1, ends[1].second}};
+      const int64_t from[2][2] = {{ends[0].p0 + 1, ends[1].p0}, {ends[0].p1 + 1, ends[1].p1}};
       for (int b = t; b < 2; b += nth) {
         DirectJob mine = job;
         mine.row_lo = b == 0 ? 0 : cut_row;
@@ -533,7 +466,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
         AddDirectFn walk = add;
         if (sparse) {  // the rows of this thread met twice or more; its slots after half the first's entries
           by_index([&](const auto* idx) {
-            const auto* ids = reinterpret_cast<decltype(idx)>(to.ids);
+            const auto* ids = reinterpret_cast<decltype(idx)>(dj.ids);
             for (int64_t i = i0; i < i1; ++i) {
               const uint64_t r = static_cast<uint64_t>(ids[i]), bit = uint64_t(1) << (r & 63);
               bits[r >> 6] |= seen[r >> 6] & bit;
