@@ -302,7 +302,12 @@ bool direct_row_split_pays(const AddShape& s, int nt) {
   // each thread, its own or not.
   const double per_entry = estimate_ns(s, Strategy::direct) / static_cast<double>(std::max<int64_t>(s.k, 1));
   const double src = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * P::kNsPerByteStream;
-  if (direct_deals(s, nt)) return per_entry * (nt - 1) / nt > P::kDealNsPerEntry;
+  if (direct_deals(s, nt)) {
+    // The AVX-512 levels deal rows of 2 and 4 bytes by vectors (KernelTable::deal).
+    const double row_bytes = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype));
+    const bool vector = active_isa() >= Isa::avx512 && (row_bytes == 2.0 || row_bytes == 4.0);
+    return per_entry * (nt - 1) / nt > (vector ? P::kDealVectorNsPerEntry : P::kDealNsPerEntry);
+  }
   return (per_entry - P::kDirectNsPerEntry - src) * (nt - 1) > P::kRowSplitSkipNs;
 }
 

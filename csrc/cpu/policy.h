@@ -263,7 +263,17 @@ struct CpuPolicy {
   // levels' deal by compress and masked stores (rows of 2 and 4 bytes), the same way against the
   // build before both changes: D = 1 uniform 0.66-0.69x, zipf 0.67-0.68x, D = 2 0.73-0.75x,
   // float16 D = 1 0.66-0.68x (index_add_ then 1.20-1.34x slower than ours); D = 4 0.88-0.90x.
-  // kDealNsPerEntry was not refitted. It lost where the estimate per entry is 4.5 to 6.5
+  // kDealVectorNsPerEntry prices that deal: with every deal allowed, against the build that
+  // dealt only above 7 ns an entry (medians of 9 paired rounds, quartiles; the walk's estimate
+  // per entry in brackets), bf16 D = 1: N = K = 1M (6.5 ns) 0.79-0.80x uniform, 0.82-0.85x zipf;
+  // N = 200k / 150k K = 1M (3.8 / 3.2 ns) 0.80-0.82x; N = 150k K = 100k (3.9 ns) 0.51-0.76x;
+  // N = K = 100k (3.0 ns) 0.80-0.89x uniform, 0.98-1.05x zipf; D = 2 N = 100k K = 1M (3.9 ns)
+  // 0.63-0.71x, N = K = 100k (4.6 ns) 0.59-0.64x. Below 3 ns it went both ways: 0.79-0.90x at
+  // N = 100k K = 300k (2.8 ns), N = K = 65536 (2.7 ns), N = 50k K = 100k (2.3 ns) and D = 2 N = 30k
+  // K = 100k (2.6 ns); but 1.06-1.16x at N = 100k K = 1M (2.7 ns, uniform and zipf) and 1.01-1.18x
+  // at N = 10k K = 1M (1.7 ns). So dealt above 3 ns: against the build before, N = K = 1M
+  // 0.81-0.87x, D = 2 N = 100k K = 1M 0.59-0.62x, float16 N = 200k K = 1M 0.63-0.69x, N = 100k
+  // K = 1M and N = K = 524288 D = 2 (dealt before) 0.96-1.04x. It lost where the estimate per entry is 4.5 to 6.5
   // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms); at 8.7 to 8.8 ns it went either way (N = K = 1M
   // D = 4 14.8-15.7 -> 9.5-9.8 ms, N = 52429 K = 524288 D = 8 2.63-2.77 -> 2.80-2.85 ms, N = 100k
   // K = 1M D = 8 zipf 4.7-5.7 ms both ways); the cells above, at 10.5 to 16.8 ns, and N = K = 1M
@@ -274,6 +284,7 @@ struct CpuPolicy {
   static constexpr int64_t kDealMaxRowBytes = 64;
   static constexpr int64_t kDealMaxBytes = 32 << 20;
   static constexpr double kDealNsPerEntry = 3.5;
+  static constexpr double kDealVectorNsPerEntry = 1.5;
   // The direct walk prefetches destination rows ahead only when out is larger than this (a
   // cache-resident out gains nothing and the prefetch costs a third of a D = 1 walk).
   static constexpr int64_t kPrefetchAboveBytes = 1 << 20;

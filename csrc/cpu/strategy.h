@@ -89,8 +89,9 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads);
 // mispredicts about 1 / nt of the time: it pays only when the work per entry that it divides
 // (estimate_ns less the walk itself and the source stream), W, outweighs that:
 // W (nt - 1) > kRowSplitSkipNs. Where the split deals (direct_deals), each thread walks only its
-// own entries after a copy costing about kDealNsPerEntry each: it pays when the walk's estimate
-// per entry E gives E (nt - 1) / nt > kDealNsPerEntry.
+// own entries after a copy costing about kDealNsPerEntry each (kDealVectorNsPerEntry where the
+// active level deals by vectors): it pays when the walk's estimate per entry E gives
+// E (nt - 1) / nt > that cost.
 bool direct_row_split_pays(const AddShape& s, int nt);
 // Whether a row split of the direct walk on nt threads deals the entries out to their rows'
 // threads first (strategy_direct.cpp): bf16/fp16 on two threads, rows of at most
