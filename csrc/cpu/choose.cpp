@@ -261,6 +261,10 @@ bool touched_slots_fit(int64_t n, int64_t k, int64_t d, bool split_columns) {
   return n > k && !split_columns && d <= P::kTouchedMaxCols && slots <= static_cast<double>(P::kTouchedMaxBytes);
 }
 
+bool dense_scratch(int64_t n, int64_t k, int64_t d) {
+  return n <= k || (d <= P::kDenseMaxCols && n <= P::kDenseRowsPerEntry * k);
+}
+
 bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, double load) {
   return touched_slots_fit(n, k, d, split_columns) && load >= P::kTouchedMinLoad;
 }

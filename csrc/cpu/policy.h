@@ -102,7 +102,17 @@ struct CpuPolicy {
   // 51-52 -> 31 us (46), 30k 55-57 -> 35 us (50); K = 1M, N = 2M 8.1 -> 5.5-5.7 ms (8.0-9.2), 3M
   // 7.6-7.7 -> 7.0 ms (9.2-14). At N = 400k, K = 100k dense was slower (0.72 -> 0.79 ms). The cost
   // model still prices these shapes as the walk they replace, which is slower.
-  static constexpr int64_t kDenseOneColumnRowsPerEntry = 3;
+  // Later rows of up to kDenseMaxCols columns too: on a Zen 5 EPYC (AVX-512), two builds alternated
+  // in one process, 2 threads, medians of 9 paired rounds, quartiles of the ratio, touched ->
+  // dense, bf16 uniform, K = 100k: D = 2 N = 120k / 150k / 300k 0.41-0.42x / 0.46x / 0.59-0.60x
+  // (index_add_ then 1.9x / 1.7x / 1.2x slower than ours, 0.77-0.84x before), zipf N = 150k
+  // 0.85-0.87x; D = 3 N = 150k 0.59-0.61x; D = 4 N = 150k / 250k 0.74-0.76x / 0.60x; D = 8 0.69-0.70x
+  // / 0.79-0.82x, zipf 0.87-0.91x; D = 16 N = 150k 0.61-0.63x; fp16 D = 6 0.66x; K = 1M D = 2
+  // N = 2M 0.70-0.76x; but cached shapes even, K = 20k D = 16 N = 30k 0.97-0.98x, N = 50k
+  // 1.04-1.05x. One thread walking alone, D = 2 N = 150k took 843 us touched, 8 ns an entry
+  // (index_add_ 408 us).
+  static constexpr int64_t kDenseRowsPerEntry = 3;
+  static constexpr int64_t kDenseMaxCols = 16;
   // bf16/fp16 with more rows than entries: rows of at most kTouchedMaxCols columns whose float32
   // slots, one per row, take at most kTouchedMaxBytes sum in touched slots (a slot per row, filled
   // from out by the row's first contribution and written back by a bitmap of the rows touched)

@@ -2,9 +2,10 @@
 // destination row, so every row sees its contributions in source order.
 //   float32/float64: the row itself is the accumulator (acc type == storage type).
 //   bf16/fp16: rows are summed in a float32 scratch and rounded once on the way back. When
-//     N <= K (one column: N <= 3 K) every row gets a slot; otherwise only the rows with several
-//     contributions do (the rank of a bitmap of the N rows gives each its slot) and the others
-//     are added in place (one contribution, one rounding).
+//     N <= K (rows of up to 16 columns: N <= 3 K) every row gets a slot; otherwise every row
+//     touched does (touched slots, where rows repeat), or only the rows with several
+//     contributions (the rank of a bitmap of the N rows gives each its slot) and the others are
+//     added in place (one contribution, one rounding).
 //   A sorted (non-decreasing) index, any dtype: each row's contributions are one run of
 //     consecutive sources, summed in registers like a planned row and rounded once, with no sort
 //     and no scratch.
@@ -297,8 +298,8 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     }
   }
 
-  // bf16/fp16: a float32 scratch. Dense (a slot per row, n <= k: every slot pays for itself; one
-  // column up to CpuPolicy::kDenseOneColumnRowsPerEntry k)
+  // bf16/fp16: a float32 scratch. Dense (a slot per row, n <= k: every slot pays for itself; rows
+  // of up to CpuPolicy::kDenseMaxCols columns up to CpuPolicy::kDenseRowsPerEntry k: dense_scratch)
   // copies every row in, and back only the rows the adds touched, which they mark as they go
   // (or, when threads split the columns and so share the marks, a marking pass does first).
   // Rows of at most kSnapshotMaxCols columns, back to back, with no NaN in out need no marks:
@@ -311,7 +312,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // CpuPolicy::kTouchedMaxBytes, and rows that repeat: touched_slots_pay) needs no pass first: a
   // row's first contribution sets its bit in `seen` and starts its slot from out, and the rows of
   // `seen` go back.
-  const bool dense = narrow && (n <= k || (d == 1 && n <= CpuPolicy::kDenseOneColumnRowsPerEntry * k));
+  const bool dense = narrow && dense_scratch(n, k, d);
   const bool prefetch = static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >
                         static_cast<double>(CpuPolicy::kPrefetchAboveBytes);
   const bool exact = dense && d <= CpuPolicy::kSnapshotMaxCols && (d == 1 || out.row_stride == d) && !split_columns &&

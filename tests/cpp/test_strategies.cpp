@@ -174,7 +174,8 @@ TEST(Strategies, EveryStrategyAndThreadCountGivesTheContractBits) {
 // The direct walk's row split (each thread a range of rows, every thread walking the whole index)
 // runs only where the work per entry pays for the skipped entries: shapes where it does, at three
 // threads, against the reference.
-// bf16/fp16 sum in touched slots at the first shape and in sparse ones at the second.
+// bf16/fp16 sum in dense slots at the first shape (16 columns, N up to 3 K) and in sparse ones at
+// the second.
 TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   uint64_t seed = 300;
   struct Shape {
@@ -280,12 +281,13 @@ TEST(Strategies, TwoThreadRowSplitsGiveTheContractBits) {
       {200000, 30000, 1, Pattern::uniform, true, true},  // sparse scratch
       {200000, 30000, 1, Pattern::zipf, true, true},
       {200000, 30001, 2, Pattern::uniform, true, true},  // an odd K: halves of K / 2 and K / 2 + 1 entries
-      {30000, 20000, 16, Pattern::uniform, true, true},  // touched slots
+      {30000, 20000, 16, Pattern::uniform, true, true},  // dense (16 columns, N up to 3 K)
+      {400000, 100000, 2, Pattern::zipf, true, true},    // touched slots (hot rows repeat)
       {100000, 300000, 8, Pattern::zipf, true, true},    // dense, marked
       {60000, 40000, 4, Pattern::uniform, true, true},
       {100000, 100000, 1, Pattern::uniform, false, true},  // dense, compared with its snapshot
-      {150000, 100000, 1, Pattern::uniform, false, true},  // dense (one column, N up to 3 K), with its snapshot
-      {150000, 100000, 2, Pattern::uniform, false, true},  // touched
+      {150000, 100000, 1, Pattern::uniform, false, true},  // dense (N up to 3 K), with its snapshot
+      {150000, 100000, 2, Pattern::uniform, false, true},  // the same, two columns
       {50000, 100000, 1, Pattern::uniform, false, false},  // dense, with its snapshot
   };
   const bool vectors = sa::active_isa() >= sa::Isa::avx512;
@@ -381,12 +383,13 @@ TEST(Strategies, TouchedAndSparseSlotsGiveTheContractBits) {
     Pattern p;
     bool touched;
   };
-  // Zipf's hot rows make a load of 0.25 and 0.33 entries per row count as repeated (sampled);
-  // a uniform one of 0.125 does not. (One column of N <= 3 K takes the dense scratch instead.)
+  // Zipf's hot rows make a load of 0.25 to 0.29 entries per row count as repeated (sampled);
+  // a uniform one of 0.125 does not. (Rows of up to 16 columns, N <= 3 K, take the dense scratch
+  // instead; so touched slots need N > 3 K, and a sample, from 65536 entries.)
   const Shape shapes[] = {
-      {800000, 200000, 1, Pattern::zipf, true},  {300000, 100000, 2, Pattern::zipf, true},
-      {300000, 200000, 2, Pattern::uniform, true}, {1500, 1000, 3, Pattern::hot_row, true},
-      {5000, 3000, 16, Pattern::zipf, true},     {800000, 100000, 1, Pattern::uniform, false},
+      {800000, 200000, 1, Pattern::zipf, true},  {400000, 100000, 2, Pattern::zipf, true},
+      {700000, 200000, 2, Pattern::zipf, true},  {250000, 70000, 3, Pattern::hot_row, true},
+      {300000, 80000, 5, Pattern::zipf, true},   {800000, 100000, 1, Pattern::uniform, false},
       {1700000, 50000, 1, Pattern::zipf, false}, {3000, 500, 4, Pattern::uniform, false},
       {3000, 2000, 17, Pattern::zipf, false},
   };
@@ -401,6 +404,7 @@ TEST(Strategies, TouchedAndSparseSlotsGiveTheContractBits) {
           std::vector<int64_t> iv = make_indices(sh.p, sh.n, sh.k, rng);
           for (int64_t i = 0; i < sh.k; i += 11) iv[static_cast<size_t>(i)] = -1;
           const Idx idx = make_idx(it, iv);
+          ASSERT_FALSE(sa::cpu::dense_scratch(sh.n, sh.k, sh.d)) << "N=" << sh.n << " K=" << sh.k << " D=" << sh.d;
           ASSERT_EQ(sa::cpu::touched_slots_pay(sh.n, sh.k, sh.d, false, sa::cpu::sampled_load(idx.view(), sh.n, -1)),
                     sh.touched)
               << "N=" << sh.n << " K=" << sh.k << " D=" << sh.d;
