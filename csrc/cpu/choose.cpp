@@ -262,7 +262,10 @@ bool touched_slots_fit(int64_t n, int64_t k, int64_t d, bool split_columns) {
 }
 
 bool dense_scratch(int64_t n, int64_t k, int64_t d) {
-  return n <= k || (d <= P::kDenseMaxCols && n <= P::kDenseRowsPerEntry * k);
+  if (n <= k) return true;
+  const double slots = static_cast<double>(n) * static_cast<double>(d) * 4.0;
+  return d <= P::kDenseMaxCols && n <= P::kDenseRowsPerEntry * k &&
+         (d == 1 || slots <= static_cast<double>(P::kDenseMaxBytes));
 }
 
 bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, double load) {

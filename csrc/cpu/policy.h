@@ -110,9 +110,14 @@ struct CpuPolicy {
   // / 0.79-0.82x, zipf 0.87-0.91x; D = 16 N = 150k 0.61-0.63x; fp16 D = 6 0.66x; K = 1M D = 2
   // N = 2M 0.70-0.76x; but cached shapes even, K = 20k D = 16 N = 30k 0.97-0.98x, N = 50k
   // 1.04-1.05x. One thread walking alone, D = 2 N = 150k took 843 us touched, 8 ns an entry
-  // (index_add_ 408 us).
+  // (index_add_ 408 us). But beyond kDenseMaxBytes of slots copying every row in lost (one build
+  // against the other in one C++ harness, 2 threads, medians of 7, before -> dense): K = 1M D = 2
+  // N = 3M (24 MB of slots) 7.3 -> 8.1 ms, D = 4 N = 2.5M (40 MB) 10-13 -> 24-28 ms, D = 16 N = 3M
+  // 25-29 -> 78-103 ms; K = 100k D = 16 N = 290k / 300k (19 MB) 0.64 -> 1.25 ms, 0.63 -> 1.1 ms;
+  // where D = 2 N = 2M (16 MB) won (above), D = 16 N = 200k (13 MB) 0.67 -> 0.55 ms.
   static constexpr int64_t kDenseRowsPerEntry = 3;
   static constexpr int64_t kDenseMaxCols = 16;
+  static constexpr int64_t kDenseMaxBytes = 16 << 20;
   // bf16/fp16 with more rows than entries: rows of at most kTouchedMaxCols columns whose float32
   // slots, one per row, take at most kTouchedMaxBytes sum in touched slots (a slot per row, filled
   // from out by the row's first contribution and written back by a bitmap of the rows touched)

@@ -109,7 +109,8 @@ bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, doub
 bool touched_slots_fit(int64_t n, int64_t k, int64_t d, bool split_columns);
 // bf16/fp16: whether the direct walk gives every row a float32 slot, all copied in first (the
 // dense scratch; touched and sparse slots are the alternatives): n <= k, or rows of at most
-// CpuPolicy::kDenseMaxCols columns and n <= CpuPolicy::kDenseRowsPerEntry k.
+// CpuPolicy::kDenseMaxCols columns, n <= CpuPolicy::kDenseRowsPerEntry k, and (beyond one
+// column) slots of at most CpuPolicy::kDenseMaxBytes.
 bool dense_scratch(int64_t n, int64_t k, int64_t d);
 // The load of an index of k entries into n rows for touched_slots_pay: k / n, or where that is
 // under CpuPolicy::kTouchedMinLoad and k is at least kLoadSampleMinEntries, k times the
