@@ -252,7 +252,10 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
   // A plan's rows divide over the threads (each row summed by one); its sort runs on one.
   const int nt = row_threads_for(o, (k + static_cast<double>(P::kRowCost) * touched_rows(s.n, s.k)) * d * es, s.dtype);
   const bool radix = strategy == Strategy::radix || (strategy != Strategy::count && plan_prefers_radix(s.n, s.k));
-  const double sort = std::min(one, std::max(plan_ns(policy_cost_model(), s.n, s.k, radix), k * P::kSerialSortNsPerEntry));
+  const double sort_bytes = 16.0 * k + 8.0 * static_cast<double>(s.n);  // the sort's arrays
+  const double per_entry = sort_bytes <= static_cast<double>(P::kSerialSortCachedBytes) ? P::kSerialSortCachedNsPerEntry
+                                                                                        : P::kSerialSortNsPerEntry;
+  const double sort = std::min(one, std::max(plan_ns(policy_cost_model(), s.n, s.k, radix), k * per_entry));
   return sort + (one - sort) / nt;
 }
 

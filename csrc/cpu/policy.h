@@ -207,8 +207,20 @@ struct CpuPolicy {
   // K = 65536: 262 us; N = 32768, K = 65536: 467 us; N = 100k, K = 1M: 13.8 ms), radix 10 to 12 ns
   // (N = 262144, K = 4096: 43 us; N = 1M, K = 100k: 1.2 ms; N = 100k, K = 1M: 11.7 ms). The
   // one-thread fit above spreads that cost over its other terms, so its sort terms alone
-  // understate it.
+  // understate it. Those were a Xeon's. On a Zen 5 EPYC (the same tool, 2 threads) the counting
+  // sort took 0.9 to 1.7 ns an entry where its arrays (16 bytes an entry, 8 a row) stay in the
+  // L2 or near it: N = 4096 K = 65536 57 us, N = 32768 K = 65536 110 us, N = 8192 K = 16384 23 us;
+  // 2.7 to 5 ns at N = 100k K = 1M. At 10 ns throughout, two threads took the direct walk at
+  // K = 65536 D = 64 bf16 where the plan was 2x faster. So arrays of at most
+  // kSerialSortCachedBytes count kSerialSortCachedNsPerEntry. The sweep's cells whose pick that
+  // changes, each strategy forced in a sweep of its own, direct -> count: bf16 D = 64 K = 65536
+  // N = 6554 uniform 439 -> 235 us, zipf 589 -> 223 us, N = 32768 top-2 902 -> 404 us, N = 8192
+  // top-8 455 -> 249 us; D = 128 K = 32768 N = 33 / 328 150 -> 96 / 225 -> 137 us; float32
+  // D = 32 N = 13107 K = 131072 711 -> 729 us; all entries in one row, N = 6554 K = 65536 D = 64
+  // bf16, 142 -> 186 us (torch's best 487 us).
   static constexpr double kSerialSortNsPerEntry = 10.0;
+  static constexpr double kSerialSortCachedNsPerEntry = 3.0;
+  static constexpr int64_t kSerialSortCachedBytes = 4 << 20;
 
   // Direct with several threads: split columns when each thread gets at least this many bytes
   // of every row (whole cache lines, and a balanced split whatever the index), rows otherwise.
