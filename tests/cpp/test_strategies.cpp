@@ -1052,6 +1052,28 @@ TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
                    sa::cpu::estimate_ns(wide, sa::Strategy::direct) / 2);
 }
 
+// The serial sort of a plan on several threads: kSerialSortCachedNsPerEntry an entry while the
+// sort's arrays fit in kSerialSortCachedBytes, kSerialSortNsPerEntry beyond; so two threads plan
+// bf16 rows of 128 B into 6554 rows from 65536 entries, where the walk was twice as slow.
+TEST(StrategyChoice, ACachedSortCostsLessOnTheSerialPart) {
+  using P = sa::cpu::CpuPolicy;
+  const sa::cpu::AddShape cached{6554, 65536, 64, DType::bf16};
+  const double one = sa::cpu::estimate_ns(cached, sa::Strategy::count);
+  const double sort = 65536.0 * P::kSerialSortCachedNsPerEntry;
+  ASSERT_LT(sort, one);
+  EXPECT_NEAR(sa::cpu::threaded_ns(cached, sa::Strategy::count, 2), sort + (one - sort) / 2, 1e-6 * one);
+  const sa::cpu::AddShape large{100000, 1000000, 64, DType::bf16};  // 16.8 MB of arrays
+  const double one_large = sa::cpu::estimate_ns(large, sa::Strategy::count);
+  const double sort_large = 1e6 * P::kSerialSortNsPerEntry;
+  ASSERT_LT(sort_large, one_large);
+  EXPECT_NEAR(sa::cpu::threaded_ns(large, sa::Strategy::count, 2), sort_large + (one_large - sort_large) / 2,
+              1e-6 * one_large);
+  if (sa::get_strategy() != sa::Strategy::automatic) return;
+  sa::Options two;
+  two.num_threads = 2;
+  EXPECT_EQ(sa::cpu::choose_add(cached, two), sa::Strategy::count);
+}
+
 // Run by its own CTest entry with SCATTER_ADD_CPU_STRATEGY=bogus (filtered out elsewhere).
 // choose_add keeps its last pick for the next call of the same shape and threads: whatever came
 // before, each call gets the pick a fresh thread (nothing kept) makes for its own shape.
