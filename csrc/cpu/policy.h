@@ -281,17 +281,24 @@ struct CpuPolicy {
   // 0.85-0.91), zipf 0.70-0.74 -> 0.88 -> 0.65-0.66 ms; N = 300k K = 100k 0.97-0.99 -> 0.73-0.74
   // dealt; N = 4M K = 100k 1.56-1.73 -> 1.41-1.46 -> 0.98-1.18 ms; D = 4 N = 1M K = 100k
   // 1.69-1.83 -> 1.55 -> 1.07-1.26 ms. Dealing itself took about 2 ns per entry of wall time
-  // (K = 1M: counting 0.36 ms, copies 1.63 ms). The counting pass has gone since (each half is
-  // dealt outward from the middle of each thread's positions, the first half downward), and the
-  // deal and the walks share one parallel region: on a Zen 5 EPYC (AVX-512), two builds
-  // alternated in one process, 15 rounds of 15-call medians, quartiles of the paired ratios, bf16
-  // N = 1M K = 100k D = 1 uniform 0.87-0.91x of the time, zipf 0.84-0.93x, D = 2 0.83-0.90x, D = 4
-  // 0.78-0.91x, N = K = 262144 D = 8 0.86-1.02x; float16 D = 1 0.87-0.96x. Then the AVX-512
-  // levels' deal by compress and masked stores (rows of 2 and 4 bytes), the same way against the
-  // build before both changes: D = 1 uniform 0.66-0.69x, zipf 0.67-0.68x, D = 2 0.73-0.75x,
-  // float16 D = 1 0.66-0.68x (index_add_ then 1.20-1.34x slower than ours); D = 4 0.88-0.90x.
-  // kDealVectorNsPerEntry prices that deal: with every deal allowed, against the build that
-  // dealt only above 7 ns an entry (medians of 9 paired rounds, quartiles; the walk's estimate
+  // (K = 1M: counting 0.36 ms, copies 1.63 ms). It lost where the estimate per entry is 4.5 to 6.5
+  // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms); at 8.7 to 8.8 ns it went either way (N = K = 1M
+  // D = 4 14.8-15.7 -> 9.5-9.8 ms, N = 52429 K = 524288 D = 8 2.63-2.77 -> 2.80-2.85 ms, N = 100k
+  // K = 1M D = 8 zipf 4.7-5.7 ms both ways); the cells above, at 10.5 to 16.8 ns, and N = K = 1M
+  // D = 8 zipf (11.6 ns, 11.4 -> 10.0 ms) won; so 3.5 ns. float32 and float64 deal nowhere:
+  // their walk is cheaper per entry than the model says, and dealt splits were slower than one
+  // thread at every shape tried (float32 N = 30k K = 20k D = 16 0.092 -> 0.161 ms, float64 N = 200k
+  // K = 30k D = 8 0.187 -> 0.277 ms, float32 N = 200k K = 30k D = 16 0.188 -> 0.257 ms).
+  // The counting pass has gone since (each half is dealt outward from the middle of each thread's
+  // positions, the first half downward), and the deal and the walks share one parallel region: on a
+  // Zen 5 EPYC (AVX-512), two builds alternated in one process, 15 rounds of 15-call medians,
+  // quartiles of the paired ratios, bf16 N = 1M K = 100k D = 1 uniform 0.87-0.91x of the time, zipf
+  // 0.84-0.93x, D = 2 0.83-0.90x, D = 4 0.78-0.91x, N = K = 262144 D = 8 0.86-1.02x; float16 D = 1
+  // 0.87-0.96x. Then the AVX-512 levels' deal by compress and masked stores (rows of 2 and 4 bytes),
+  // the same way against the build before both changes: D = 1 uniform 0.66-0.69x, zipf 0.67-0.68x,
+  // D = 2 0.73-0.75x, float16 D = 1 0.66-0.68x (index_add_ then 1.20-1.34x slower than ours); D = 4
+  // 0.88-0.90x. kDealVectorNsPerEntry prices that deal: with every deal allowed, against the build
+  // that dealt only above 7 ns an entry (medians of 9 paired rounds, quartiles; the walk's estimate
   // per entry in brackets), bf16 D = 1: N = K = 1M (6.5 ns) 0.79-0.80x uniform, 0.82-0.85x zipf;
   // N = 200k / 150k K = 1M (3.8 / 3.2 ns) 0.80-0.82x; N = 150k K = 100k (3.9 ns) 0.51-0.76x;
   // N = K = 100k (3.0 ns) 0.80-0.89x uniform, 0.98-1.05x zipf; D = 2 N = 100k K = 1M (3.9 ns)
@@ -300,14 +307,7 @@ struct CpuPolicy {
   // K = 100k (2.6 ns); but 1.06-1.16x at N = 100k K = 1M (2.7 ns, uniform and zipf) and 1.01-1.18x
   // at N = 10k K = 1M (1.7 ns). So dealt above 3 ns: against the build before, N = K = 1M
   // 0.81-0.87x, D = 2 N = 100k K = 1M 0.59-0.62x, float16 N = 200k K = 1M 0.63-0.69x, N = 100k
-  // K = 1M and N = K = 524288 D = 2 (dealt before) 0.96-1.04x. It lost where the estimate per entry is 4.5 to 6.5
-  // ns (N = K = 1M D = 1 zipf 3.3 -> 4.7 ms); at 8.7 to 8.8 ns it went either way (N = K = 1M
-  // D = 4 14.8-15.7 -> 9.5-9.8 ms, N = 52429 K = 524288 D = 8 2.63-2.77 -> 2.80-2.85 ms, N = 100k
-  // K = 1M D = 8 zipf 4.7-5.7 ms both ways); the cells above, at 10.5 to 16.8 ns, and N = K = 1M
-  // D = 8 zipf (11.6 ns, 11.4 -> 10.0 ms) won; so 3.5 ns. float32 and float64 deal nowhere:
-  // their walk is cheaper per entry than the model says, and dealt splits were slower than one
-  // thread at every shape tried (float32 N = 30k K = 20k D = 16 0.092 -> 0.161 ms, float64 N = 200k
-  // K = 30k D = 8 0.187 -> 0.277 ms, float32 N = 200k K = 30k D = 16 0.188 -> 0.257 ms).
+  // K = 1M and N = K = 524288 D = 2 (dealt before) 0.96-1.04x.
   static constexpr int64_t kDealMaxRowBytes = 64;
   static constexpr int64_t kDealMaxBytes = 32 << 20;
   static constexpr double kDealNsPerEntry = 3.5;
