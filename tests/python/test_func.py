@@ -264,3 +264,53 @@ def test_vmap_over_the_in_place_update(sa, data, batched):
     func.vmap(lambda x: sa.scatter_add(x, index, src, weight=w, ignore_index=IGN))(empty)
     with pytest.raises(ValueError, match="input must be batched"):
         func.vmap(lambda s: sa.scatter_add(x.clone(), index, s), in_dims=0)(torch.zeros(b, 7, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("op", ["index_add", "scatter_add", "gather"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("d", [1, 3, 64])
+def test_weight_gradient_in_chunks_keeps_the_bits(sa, monkeypatch, op, dtype, d):
+    """A large weight gradient's row dots run in chunks on the CPU (the last one takes the tail):
+    the same bits as taken whole, zero at ignored entries, close to float64."""
+    g = torch.Generator().manual_seed(d)
+    n, k = 37, 301
+    index = torch.randint(0, n, (k,), generator=g)
+    index[::7] = IGN
+    x = torch.randn(n, d, generator=g).to(dtype)
+    src = torch.randn(k, d, generator=g).to(dtype)
+    wdt = torch.float32 if dtype == torch.bfloat16 else dtype
+    weight = torch.rand(k, generator=g).to(wdt)
+    probe = torch.randn(k if op == "gather" else n, d, generator=g).to(dtype)
+
+    def weight_grad():
+        w = weight.clone().requires_grad_(True)
+        s = src.clone().requires_grad_(True)
+        if op == "gather":
+            out = sa.gather(x, index, weight=w, ignore_index=IGN)
+        elif op == "index_add":
+            out = sa.index_add(x, index, s, weight=w, ignore_index=IGN)
+        else:
+            out = sa.scatter_add(x.clone(), index, s, weight=w, ignore_index=IGN)
+        out.backward(probe)
+        return w.grad
+
+    autograd = sa._autograd
+    dots = []
+    row_dot = autograd._row_dot
+    monkeypatch.setattr(autograd, "_row_dot", lambda *a: dots.append(a[0].shape[0]) or row_dot(*a))
+    whole = weight_grad()
+    assert dots == [k]
+    dots.clear()
+    monkeypatch.setattr(autograd, "ROW_DOT_CHUNK_ELEMS", 8 * d)  # chunks of 8 rows, the tail of 13 last
+    chunked = weight_grad()
+    assert dots == [8] * 36 + [13]
+    assert chunked.dtype == whole.dtype == wdt and chunked.shape == (k,)
+    assert torch.equal(chunked, whole)
+    assert torch.all(chunked[::7] == 0)
+    if op == "gather":
+        ref = (x.double()[index.clamp(min=0)] * probe.double()).sum(-1)
+    else:
+        ref = (probe.double()[index.clamp(min=0)] * src.double()).sum(-1)
+    ref[index == IGN] = 0
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(chunked.double(), ref, rtol=tol, atol=tol * d)

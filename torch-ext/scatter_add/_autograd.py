@@ -87,6 +87,35 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return (a.to(acc) * b.to(acc)).sum(dim=-1).to(dtype)
 
 
+# Elements per chunk of a weight gradient's row dots on the CPU (see _gathered_row_dot).
+ROW_DOT_CHUNK_ELEMS = 1 << 20
+
+
+def _gathered_row_dot(table: torch.Tensor, index: torch.Tensor, ignore_index, rows: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """dot(table[index[i]], rows[i]) for every i (0 where index[i] is ignore_index), summed in
+    float32 (float64 for f64) and returned as dtype: a weight's gradient.
+
+    In an eager CPU backward, a large one runs in chunks of about ROW_DOT_CHUNK_ELEMS elements, so
+    that the gathered rows and both float32 copies stay in the caches: whole, they are fresh
+    allocations of the [K, D] size, each page faulted in again on every call. Qwen3-MoE's combine at
+    2048 tokens (16384 x 1024 bfloat16 rows): 67 ms whole, 3.8 ms in chunks of 1024 rows. The bits
+    are the same: each row is reduced on its own either way (torch splits a reduction over threads
+    only along the rows, or within the row when there is one row in all, so every chunk holds at
+    least two). Under grad mode (a double backward), a functorch transform or torch.compile, and
+    off the CPU, the rows are taken whole."""
+    k, d = rows.shape[0], rows.shape[-1]
+    step = max(2, ROW_DOT_CHUNK_ELEMS // max(d, 1))
+    if (k < 2 * step or rows.device.type != "cpu" or torch.is_grad_enabled() or _functorch_active()
+            or torch.compiler.is_compiling()):
+        return _row_dot(_gather(table, index, None, ignore_index), rows, dtype)
+    out = torch.empty(k, dtype=dtype, device=rows.device)
+    starts = list(range(0, k - step + 1, step))  # the last chunk takes the tail: step to 2 step - 1 rows
+    for s, e in zip(starts, starts[1:] + [k]):
+        out[s:e] = _row_dot(_gather(table, index[s:e], None, ignore_index), rows[s:e], dtype)
+    return out
+
+
 class _IndexAddRule:
     """out = input with weight[i] * src[i] added to row index[i]: forward, backward and jvp."""
 
@@ -111,7 +140,7 @@ class _IndexAddRule:
         grad_src = _gather(grad, index, weight, ctx.ignore_index) if need_src else None
         grad_weight = None
         if need_weight and ctx.has_weight:
-            grad_weight = _row_dot(_gather(grad, index, None, ctx.ignore_index), src, weight.dtype)
+            grad_weight = _gathered_row_dot(grad, index, ctx.ignore_index, src, weight.dtype)
         return grad_input, None, grad_src, grad_weight, None
 
     @staticmethod
@@ -151,7 +180,7 @@ class _GatherRule:
             grad_input = _index_add(torch.zeros_like(input), index, grad.to(input.dtype), weight, ctx.ignore_index)
         grad_weight = None
         if need_weight and ctx.has_weight:
-            grad_weight = _row_dot(_gather(input, index, None, ctx.ignore_index), grad, weight.dtype)
+            grad_weight = _gathered_row_dot(input, index, ctx.ignore_index, grad, weight.dtype)
         return grad_input, None, grad_weight, None
 
     @staticmethod
