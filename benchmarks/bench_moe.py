@@ -11,9 +11,11 @@ from configs, random weights, bf16) with each experts implementation, side by si
              per-token copies of the expert weights fit in memory), ours (scatter_add.moe), ours'
              speedup over the best of them, and each one's max error against a float64 reference
              (the same routing, experts computed in float64)
-    split:   for ours in forward, the time of dispatch (routing sort + the gathers of each gate
-             group's rows), the expert products and combine (index_add), each timed alone on the
-             same inputs
+    split:   for ours, the time of dispatch (routing sort + the gathers of each gate group's rows;
+             with backward, the one gather and its index_add backward), the expert products (with
+             backward, also their gradients of the rows and every expert weight) and combine
+             (index_add; with backward, also its gradients of the rows and routing weights), each
+             timed alone on the same inputs
 
 Timings: the implementations run in interleaved rounds (one call of each per round) so that this
 machine's drifting speed hits them alike, except batched_mm, timed in rounds of its own after the
@@ -301,13 +303,13 @@ class MoEBench:
         row["best_builtin"] = best
         row["speedup"] = row["impls"][best]["ms"] / row["impls"]["ours"]["ms"]
         row["speedup_vs"] = {i: row["impls"][i]["ms"] / row["impls"]["ours"]["ms"] for i in impls if i != "ours"}
-        if not backward:
-            row["split_ms"] = self._split(block, cfg, x2d)
+        row["split_ms"] = self._split(block, cfg, x2d, backward)
         set_impl(cfg, "eager", self.name)
         return row
 
-    def _split(self, block, cfg, x2d):
-        """Ours' forward in three parts, each timed alone on the block's own routing."""
+    def _split(self, block, cfg, x2d, backward=False):
+        """Ours in three parts, each timed alone on the block's own routing: forward, or forward and
+        backward (the part's gradients of everything the layer's backward asks of it)."""
         moe, sa = self.sa.moe, self.sa
         ex = block.experts
         h, idx, w = experts_inputs(block, x2d)
@@ -317,21 +319,42 @@ class MoEBench:
             xs = sa.gather(h, token, ignore_index=-1)
             ys = moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
             pw = w.reshape(-1)[order]
+        width = ex.gate_up_proj.shape[1]
+        if backward:
+            g = torch.Generator().manual_seed(1)
+            probe_xs, probe_ys, probe_out = (torch.randn(t.shape, generator=g).to(t.dtype) for t in (xs, ys, h))
+            weights = (ex.gate_up_proj, ex.down_proj)
 
-            width = ex.gate_up_proj.shape[1]
+            def dispatch():  # the training path's one gather, and its backward (an index_add)
+                hg = h.detach().requires_grad_(True)
+                tk, _, _ = moe._route(idx, e)
+                sa.gather(hg, tk, ignore_index=-1).backward(probe_xs)
 
+            def experts():  # the products and gate, and their gradients of the rows and weights
+                for p in weights:
+                    p.grad = None
+                xg = xs.detach().requires_grad_(True)
+                moe._Experts.apply(xg, offsets, ex.gate_up_proj, None, ex.down_proj, None, False,
+                                   ex._apply_gate).backward(probe_ys)
+
+            def combine():  # the weighted index_add, and its gradients of the rows and the weights
+                yg, pg = ys.detach().requires_grad_(True), pw.detach().requires_grad_(True)
+                sa.index_add(h.new_zeros(h.shape), token, yg, weight=pg, ignore_index=-1).backward(probe_out)
+        else:
             def dispatch():  # what the forward gathers: each gate group's rows in turn
                 tk, _, off = moe._route(idx, e)
-                for g in moe._gate_groups(list(moe._blocks(off)), width):
-                    sa.gather(h, tk[g[0][1]:g[-1][2]], ignore_index=-1)
+                for grp in moe._gate_groups(list(moe._blocks(off)), width):
+                    sa.gather(h, tk[grp[0][1]:grp[-1][2]], ignore_index=-1)
 
             def experts():
                 return moe._experts_loop(xs, offsets, ex.gate_up_proj, None, ex.down_proj, None, False, ex._apply_gate)
 
             def combine():
                 return sa.index_add(h.new_zeros(h.shape), token, ys, weight=pw, ignore_index=-1)
-
+        with torch.set_grad_enabled(backward):
             ts = self.split_timer({"dispatch": dispatch, "experts": experts, "combine": combine})
+        for p in block.parameters():
+            p.grad = None
         return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
 
     def print_table(self, rows):
@@ -370,7 +393,8 @@ class MoEBench:
               "expert it runs, over 24 GiB of memory traffic here. * = one call (a call over 2 s is timed once). "
               "ours round = fastest/slowest round of ours against its median. det = forward output on the error "
               "tokens bitwise the same at 1 and 2 threads (eager, grouped_mm, ours: y/n; where n, torch's expert products "
-              "differ). dispatch/experts/combine = ours' forward split, each part timed alone (ms).")
+              "differ). dispatch/experts/combine = ours' time in three parts, each timed alone (ms; "
+              "forward+backward rows: each part's forward and backward).")
         self.print_goals(rows)
 
     @staticmethod
@@ -414,8 +438,9 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
         return plotting.method_color(impl)
 
     blocks = list(dict.fromkeys(r["block"] for r in rows))
-    has_split = any("split_ms" in r for r in rows)
-    fig, axes = plotting.figure(2 if has_split else 1, len(blocks), width=4.6, height=3.6)
+    split_modes = [m for m in MODE_STYLE if any("split_ms" in r and r["mode"] == m for r in rows)]
+    has_split = bool(split_modes)
+    fig, axes = plotting.figure(1 + len(split_modes), len(blocks), width=4.6, height=3.6)
     speedups = [v for r in rows for v in r["speedup_vs"].values()]
     impls_seen = []
     for j, bname in enumerate(blocks):
@@ -437,9 +462,14 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
         ax.set_xlabel("tokens")
         if j == 0:
             ax.set_ylabel("speedup of ours over the built-in (x, log)\nabove 1x: ours is faster")
-        if has_split:
-            bx = axes[1][j]
-            fw = sorted((r for r in sel if "split_ms" in r), key=lambda r: r["tokens"])
+        for si, mode in enumerate(split_modes):
+            bx = axes[1 + si][j]
+            fw = sorted((r for r in sel if "split_ms" in r and r["mode"] == mode), key=lambda r: r["tokens"])
+            if not fw:
+                bx.axis("off")
+                bx.text(0.5, 0.5, f"no {MODE_STYLE[mode][2]} rows in this run", ha="center", va="center",
+                        transform=bx.transAxes, fontsize=9, color="#666666")
+                continue
             bottom = [0.0] * len(fw)
             for part, c in SPLIT_COLORS.items():
                 share = [r["split_ms"][part] / sum(r["split_ms"].values()) * 100 for r in fw]
@@ -448,9 +478,9 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
             bx.set_xticks(range(len(fw)), [str(r["tokens"]) for r in fw])
             bx.set_ylim(0, 100)
             bx.grid(False, axis="x")
-            bx.set_xlabel("tokens (forward)")
+            bx.set_xlabel(f"tokens ({MODE_STYLE[mode][2]})")
             if j == 0:
-                bx.set_ylabel("share of ours' forward (%)")
+                bx.set_ylabel(f"share of ours' {MODE_STYLE[mode][2]} (%)")
             for i, r in enumerate(fw):
                 bx.text(i, 101, f"{sum(r['split_ms'].values()):.{0 if sum(r['split_ms'].values()) >= 100 else 1}f} ms", ha="center", va="bottom", fontsize=7)
     leg = plotting.legend_outside(fig, [plotting.Line2D([], [], color=color(i), lw=1.3) for i in impls_seen],
@@ -466,7 +496,7 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
         fig.add_artist(leg)
         plotting.legend_outside(fig, [Patch(color=c) for c in SPLIT_COLORS.values()],
                                 ["dispatch: routing sort + gather", "expert products (matmuls)",
-                                 "combine: weighted index_add"], title="ours' forward (bars)", y=0.35, loc="upper left")
+                                 "combine: weighted index_add"], title="ours' time (bars)", y=0.35, loc="upper left")
     clock = f", timed by {info['clock']}" if info.get("clock") else ""
     fig.suptitle(plotting.run_title("transformers' MoE blocks, bfloat16: scatter_add.moe against each built-in "
                                     f"experts implementation{clock}", info), y=1.02)
