@@ -17,6 +17,7 @@
 //   .build/release/benchmarks/bench_scatter_add --evaluate FILE.csv      (re-score the cost model)
 //   .build/release/benchmarks/bench_scatter_add --fit FILE.csv...         (search its constants)
 //   .build/release/benchmarks/bench_scatter_add --matmul [--threads T]  (small_matmul, _nn)
+//   .build/release/benchmarks/bench_scatter_add --random-rows [--threads T]  (the bandwidth cells' bound)
 // --matmul: the MoE experts' products at the sizes of bench_moe.py's blocks: an expert's forward
 // (x @ W.T, small_matmul) and its backward (g @ W and g.T @ x, small_matmul_nn) at 1 to 512 rows:
 // median ms and GFLOPS.
@@ -28,8 +29,12 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <sys/mman.h>
 #include <time.h>
 
@@ -424,13 +429,106 @@ void matmul_table(int threads) {
     }
 }
 
+// --random-rows: the sweep's bandwidth cells (rows of 256 B to 16 KiB, uniform or MoE top-2
+// destinations) against what this memory system gives their traffic with no order to keep. The
+// bound adds each source row into its destination row as 32-bit floats (the same bytes whatever
+// the dtype), each thread half of the entries in turn, destination rows prefetched whole 0, 2, 8
+// or 32 entries ahead (the fastest counts): the bytes of a scatter-add of random rows with none
+// of its work. It is not exact (both
+// threads may add into one row at once), so it is a bound and no strategy. Per cell: median ms of
+// ours and the bound, each as a percentage of the stream ceiling measured right before the cell.
+void random_rows_table(int threads) {
+  struct Cell {
+    int64_t n, k, d;
+    Dist dist;
+  };
+  const Cell cells[] = {{262144, 262144, 64, Dist::uniform},
+                        {65536, 65536, 256, Dist::uniform},
+                        {16384, 32768, 1024, Dist::moe_topk},
+                        {4096, 8192, 4096, Dist::moe_topk}};
+  StreamCeiling stream;
+  std::printf("random rows: ours against an unordered add of the same bytes (see the source), threads=%d, isa=%s\n",
+              threads, sa::isa_name(sa::active_isa()));
+  std::printf("%-9s %-5s %6s %6s %5s %7s %6s %8s %6s %9s %6s %12s\n", "dist", "dtype", "N", "K", "D", "MB", "ceil",
+              "ours_ms", "%ceil", "bound_ms", "%ceil", "ours/bound");
+  std::mt19937_64 rng(0);
+  for (sa::DType dt : {sa::DType::f32, sa::DType::bf16})
+    for (const Cell& c : cells) {
+      const size_t es = sa::dtype_size(dt);
+      Buffer out(static_cast<size_t>(c.n * c.d) * es, false), src(static_cast<size_t>(c.k * c.d) * es, false);
+      const std::vector<int32_t> idx = make_index(c.dist, c.n, c.k, rng);
+      const sa::IndexVector iv{idx.data(), c.k, sa::IndexType::i32};
+      const sa::Matrix om{out.p, c.n, c.d, c.d, dt};
+      const sa::ConstMatrix sm{src.p, c.k, c.d, c.d, dt};
+      const int64_t words = c.d * static_cast<int64_t>(es) / 4;  // 32-bit words per row
+      float* o = reinterpret_cast<float*>(out.p);
+      const float* x = reinterpret_cast<const float*>(src.p);
+      const int32_t* ix = idx.data();
+      const int64_t k = c.k;
+      auto part = [&](int t, int nt, int64_t ahead) {
+        const int64_t lo = k * t / nt, hi = k * (t + 1) / nt;
+        for (int64_t i = lo; i < hi; ++i) {
+          if (ahead > 0 && i + ahead < hi)
+            for (int64_t w = 0; w < words; w += 16) __builtin_prefetch(o + ix[i + ahead] * words + w, 1);
+          float* orow = o + ix[i] * words;
+          const float* srow = x + i * words;
+#pragma omp simd
+          for (int64_t w = 0; w < words; ++w) orow[w] += srow[w];
+        }
+      };
+      auto bound = [&](int64_t ahead) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+        part(omp_get_thread_num(), omp_get_num_threads(), ahead);
+#else
+        std::vector<std::thread> pool;
+        for (int t = 1; t < threads; ++t) pool.emplace_back(part, t, threads, ahead);
+        part(0, threads, ahead);
+        for (auto& th : pool) th.join();
+#endif
+      };
+      std::vector<char> seen(static_cast<size_t>(c.n), 0);
+      int64_t distinct = 0;
+      for (int32_t r : idx) distinct += seen[r] ? 0 : (seen[r] = 1);
+      const double bytes = double(c.k) * c.d * es + 2.0 * distinct * c.d * es + c.k * 4.0;
+      const double ceiling = stream.measure(threads, 0.2);
+      // interleaved, so that this machine's drifting bandwidth hits all alike; the bound is the
+      // fastest of the unordered loops, destination rows prefetched 0, 2, 8 or 32 entries ahead
+      const int64_t aheads[] = {0, 2, 8, 32};
+      std::vector<std::vector<double>> t(5);
+      sa::index_add_rows(om, iv, sm);
+      for (int64_t a : aheads) bound(a);
+      for (int r = 0; r < 9; ++r) {
+        auto t0 = Clock::now();
+        sa::index_add_rows(om, iv, sm);
+        t[0].push_back(seconds_since(t0));
+        for (int v = 0; v < 4; ++v) {
+          t0 = Clock::now();
+          bound(aheads[v]);
+          t[v + 1].push_back(seconds_since(t0));
+        }
+      }
+      std::vector<double> med;
+      for (auto& v : t) {
+        std::sort(v.begin(), v.end());
+        med.push_back(v[v.size() / 2]);
+      }
+      const double so = med[0], sb = *std::min_element(med.begin() + 1, med.end());
+      std::printf("%-9s %-5s %6lld %6lld %5lld %7.0f %6.1f %8.2f %5.0f%% %9.2f %5.0f%% %11.2fx\n", dist_name(c.dist),
+                  dt == sa::DType::bf16 ? "bf16" : "f32", (long long)c.n, (long long)c.k, (long long)c.d, bytes / 1e6,
+                  ceiling, so * 1e3, 100.0 * bytes / so / 1e9 / ceiling, sb * 1e3, 100.0 * bytes / sb / 1e9 / ceiling,
+                  so / sb);
+      std::fflush(stdout);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false;
   int threads = sa::get_num_threads();
   int64_t only_n = 0, only_d = 0;
-  bool thp = false, strategies = false, matmul = false;
+  bool thp = false, strategies = false, matmul = false, random_rows = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--thp")) thp = true;
@@ -439,6 +537,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--d") && i + 1 < argc) only_d = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--strategies")) strategies = true;
     if (!std::strcmp(argv[i], "--matmul")) matmul = true;
+    if (!std::strcmp(argv[i], "--random-rows")) random_rows = true;
     if (!std::strcmp(argv[i], "--calibrate")) {
       calibrate(i + 1 < argc ? argv[i + 1] : nullptr);
       return 0;
@@ -459,6 +558,10 @@ int main(int argc, char** argv) {
   }
   if (matmul) {
     matmul_table(threads);
+    return 0;
+  }
+  if (random_rows) {
+    random_rows_table(threads);
     return 0;
   }
   StreamCeiling stream;
