@@ -17,8 +17,8 @@ from configs, random weights, bf16) with each experts implementation, side by si
              (index_add; with backward, also its gradients of the rows and routing weights), each
              timed alone on the same inputs
 
-Timings: the implementations run in interleaved rounds (one call of each per round) so that this
-machine's drifting speed hits them alike, except batched_mm, timed in rounds of its own after the
+Timings: the implementations run in interleaved rounds (one call of each per round, the order
+rotated from round to round) so that this machine's drifting speed hits them alike, except batched_mm, timed in rounds of its own after the
 others' (its weight copies slow whatever runs next); each cell is the median of the rounds, and
 the table says how far the fastest and slowest rounds of ours were from it.
 
@@ -152,7 +152,9 @@ def reference(block, x2d):
 
 
 class Timer:
-    """Interleaved rounds: one call of each function per round, until min_rounds are done and the
+    """Interleaved rounds: one call of each function per round, each round in the order of the
+    last rotated by one (a call that leaves the caches or the allocator worse for the next one
+    then slows each of the others alike), until min_rounds are done and the
     budget is spent (or max_rounds). Each function is called once first (warm-up, timed); one
     slower than `slow` seconds keeps that one call as its time and leaves the rounds, and when the
     rounds are slow, min_rounds is where they stop."""
@@ -175,7 +177,8 @@ class Timer:
         rounds = 0
         while rounds_of and (rounds < self.min_rounds or
                              (time.perf_counter() - start < self.budget and rounds < self.max_rounds)):
-            for k in rounds_of:
+            turn = rounds % len(rounds_of)  # each round starts one further on: no one always follows the same
+            for k in rounds_of[turn:] + rounds_of[:turn]:
                 t0 = clock()
                 fns[k]()
                 ts[k].append(clock() - t0)
