@@ -54,6 +54,8 @@ struct DirectJob {
   bool long_runs;       // sorted index whose runs are long: one-column runs summed run by run
   uint64_t* touched;    // touched slots (a slot per row, none filled in advance): bit r is set by
                         // row r's first contribution, which fills its slot from out
+  bool compact;         // a row split's in-place walk: each block of entries compacted to this
+                        // thread's first (CpuPolicy::kCompactMinRowBytes)
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 

@@ -402,6 +402,13 @@ struct RowKernels {
   template <class I, bool Weighted>
   static void add_direct(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
     const bool one = W == 1 || c1 - c0 <= kScalarCols;
+    if (j.compact) {
+      if (one)
+        add_compact<I, Weighted, true>(j, i0, i1, c0, c1);
+      else
+        add_compact<I, Weighted, false>(j, i0, i1, c0, c1);
+      return;
+    }
     if (c1 - c0 == 1) {
       if (j.prefetch)
         add_direct_loop<I, Weighted, true, true, true>(j, i0, i1, c0, c1);
@@ -449,6 +456,53 @@ struct RowKernels {
         for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
       } else {
         add_once<Weighted>(o, s, wi, m);
+      }
+    }
+  }
+
+  // A row split's in-place walk (DirectJob::compact): each block of kCompactBlock entries is first
+  // compacted to this thread's own (a pass over its index with no branch), which are then added
+  // in order, each one's destination and source rows prefetched whole kCompactAhead entries ahead
+  // (out is far larger than the caches where this runs). Skipping the other thread's entries inside the walk mispredicts
+  // a branch for about every other entry, and stalls on rows no prefetch asked for.
+  static constexpr int64_t kCompactBlock = 512;
+  static constexpr int64_t kCompactAhead = 8;
+  template <class I, bool Weighted, bool Scalar>
+  static void add_compact(const DirectJob& j, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+    const I* __restrict idx = static_cast<const I*>(j.index);
+    T* __restrict out = static_cast<T*>(j.out) + c0;
+    const T* __restrict src = static_cast<const T*>(j.src) + c0;
+    const A* __restrict w = static_cast<const A*>(j.w);
+    const int64_t m = c1 - c0, os = j.out_stride, ss = j.src_stride;
+    const uint64_t ob = static_cast<uint64_t>(os) * sizeof(T), sb = static_cast<uint64_t>(ss) * sizeof(T);
+    const uint64_t bytes = static_cast<uint64_t>(m) * sizeof(T);
+    const uint64_t lo = static_cast<uint64_t>(j.row_lo), span = static_cast<uint64_t>(j.row_hi - j.row_lo);
+    const bool ign_in_range = j.has_ignore && static_cast<uint64_t>(j.ignore) - lo < span;
+    const uint64_t ign = static_cast<uint64_t>(j.ignore);
+    int32_t mine[kCompactBlock];
+    for (int64_t b = i0; b < i1; b += kCompactBlock) {
+      const int64_t e = std::min(i1, b + kCompactBlock);
+      int64_t n = 0;
+      for (int64_t i = b; i < e; ++i) {
+        const uint64_t r = static_cast<uint64_t>(static_cast<int64_t>(idx[i]));
+        mine[n] = static_cast<int32_t>(i - b);
+        n += static_cast<int64_t>((r - lo < span) & !(ign_in_range && r == ign));
+      }
+      for (int64_t q = 0; q < n; ++q) {
+        if (q + kCompactAhead < n) {
+          const int64_t p = b + mine[q + kCompactAhead];
+          prefetch_lines_at(out, static_cast<uint64_t>(static_cast<int64_t>(idx[p])), ob, bytes, 1);
+          prefetch_lines_at(src, static_cast<uint64_t>(p), sb, bytes);
+        }
+        const int64_t i = b + mine[q];
+        T* o = out + static_cast<int64_t>(idx[i]) * os;
+        const T* s = src + i * ss;
+        const A wi = Weighted ? w[i] : A(1);
+        if (Scalar) {
+          for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
+        } else {
+          add_once<Weighted>(o, s, wi, m);
+        }
       }
     }
   }

@@ -492,6 +492,13 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
     return;
   }
 
+  // A row split's in-place walk over rows of the width, and into an out of the size, where
+  // compacting pays (CpuPolicy::kCompactMinRowBytes).
+  const int64_t row_bytes = d * static_cast<int64_t>(es);
+  const bool compact = split_rows && !scratch && row_bytes >= CpuPolicy::kCompactMinRowBytes &&
+                       row_bytes <= CpuPolicy::kCompactMaxRowBytes &&
+                       static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >=
+                           static_cast<double>(CpuPolicy::kCompactMinOutBytes);
   parallel_run(nt, [&](int t, int nth) {
     DirectJob mine = job;
     int64_t c0 = 0, c1 = d, w0 = 0, w1 = words;
@@ -508,6 +515,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
         mine.row_lo = std::min(n, cut[static_cast<size_t>(t)] << shift);
         mine.row_hi = std::min(n, cut[static_cast<size_t>(t) + 1] << shift);
         if (mine.row_lo >= mine.row_hi) return;
+        mine.compact = compact;
         w0 = mine.row_lo >> 6;
         w1 = (mine.row_hi + 63) >> 6;
       }

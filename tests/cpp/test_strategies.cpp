@@ -207,6 +207,63 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   EXPECT_FALSE(sa::cpu::direct_row_split_pays({100000, 1000000, 1, DType::f32}, 2));
 }
 
+// A row split over rows of 64 to 512 bytes into an out larger than the caches compacts each block
+// of entries to the thread's own before it adds them: float32/float64 rows, and bf16/fp16 rows
+// where no row repeats (added in place), with ignored entries (the ignore value outside every
+// thread's rows, and inside the last's), weights, both index types, a K that leaves a part block,
+// strided rows, at two and three threads, against the reference.
+TEST(Strategies, DirectRowSplitCompactedGivesTheContractBits) {
+  using P = sa::cpu::CpuPolicy;
+  uint64_t seed = 900;
+  struct Shape {
+    int64_t k, d;
+    bool distinct;   // every row at most once
+    int split_from;  // the fewest threads that split the rows (asserted)
+  };
+  struct Case {
+    IndexType it;
+    bool weighted, ignore_inside;
+  };
+  const Case cases[] = {{IndexType::i32, false, false}, {IndexType::i64, true, true}};
+  for (const Shape sh : {Shape{6001, 64, false, 2}, Shape{20000, 16, false, 3}, Shape{20000, 32, true, 3}})
+    for (DType t : kDtypes) {
+      const int64_t k = sh.k, d = sh.d, row_bytes = d * static_cast<int64_t>(sa::dtype_size(t));
+      if (row_bytes < P::kCompactMinRowBytes || row_bytes > P::kCompactMaxRowBytes) continue;
+      if (sa::dtype_size(t) == 2 && !sh.distinct) continue;  // repeated rows: a float32 scratch
+      const int64_t n = P::kCompactMinOutBytes / row_bytes + 1000;
+      for (const Case c : cases) {
+        const int64_t ignore = c.ignore_inside ? n - 3 : -1;
+        const int64_t os = c.weighted ? d + 3 : d, ss = c.weighted ? d : d + 5;
+        std::mt19937_64 rng(seed++);
+        const Buf out0 = special_buf(t, static_cast<size_t>(n * os), rng);
+        const Buf src = special_buf(t, static_cast<size_t>(k * ss), rng);
+        std::vector<int64_t> iv = sh.distinct ? std::vector<int64_t>(static_cast<size_t>(k))
+                                              : make_indices(Pattern::uniform, n, k, rng);
+        if (sh.distinct)
+          for (int64_t i = 0; i < k; ++i) iv[static_cast<size_t>(i)] = (i * 7919 + 11) % n;
+        for (int64_t i = 0; i < k; i += 7) iv[static_cast<size_t>(i)] = ignore;
+        const Idx idx = make_idx(c.it, iv);
+        const std::vector<float> w = special_weights(k, rng);
+        Buf want = out0;
+        reference_add(want, n, d, os, src, ss, iv, c.weighted ? w.data() : nullptr, ignore);
+        for (int threads : {2, 3}) {
+          sa::Options o;
+          o.num_threads = threads;
+          if (threads >= sh.split_from)
+            ASSERT_TRUE(sa::cpu::direct_split({n, k, d, t}, o, false).rows)
+                << sa::dtype_name(t) << " D=" << d << " threads=" << threads;
+          Buf out = out0;
+          o.strategy = sa::Strategy::direct;
+          o.ignore_index = ignore;
+          sa::index_add_rows(mat(out, n, d, os), idx.view(), cmat(src, k, d, ss),
+                             {c.weighted ? w.data() : nullptr, k, DType::f32}, o);
+          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " D=" << d << " ignore=" << ignore
+                                           << (c.weighted ? " weighted" : "") << " threads=" << threads;
+        }
+      }
+    }
+}
+
 // Rows wide enough for a column split: the direct walk gives the threads ranges of rows instead
 // when a sample of the index shows them balanced (each shape asserts which it sees at two
 // threads), and columns of every row when a hot row holds most entries; a sorted index takes
