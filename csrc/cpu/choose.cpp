@@ -307,10 +307,19 @@ bool direct_deals(const AddShape& s, int nt) {
          static_cast<double>(s.k) * (16.0 + row_bytes) <= static_cast<double>(P::kDealMaxBytes);
 }
 
+bool direct_compacts(const AddShape& s) {
+  const double row_bytes = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype));
+  return row_bytes >= static_cast<double>(P::kCompactMinRowBytes) &&
+         row_bytes <= static_cast<double>(P::kCompactMaxRowBytes) &&
+         static_cast<double>(s.n) * row_bytes >= static_cast<double>(P::kCompactMinOutBytes);
+}
+
 bool direct_row_split_pays(const AddShape& s, int nt) {
+  const double per_entry = estimate_ns(s, Strategy::direct) / static_cast<double>(std::max<int64_t>(s.k, 1));
+  if (dtype_size(s.dtype) >= 4 && direct_compacts(s))  // each thread walks only its own entries
+    return per_entry * (nt - 1) / nt > P::kCompactNsPerEntry;
   // Neither the walk nor the source stream divides: the prefetchers stream every source row into
   // each thread, its own or not.
-  const double per_entry = estimate_ns(s, Strategy::direct) / static_cast<double>(std::max<int64_t>(s.k, 1));
   const double src = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * P::kNsPerByteStream;
   if (direct_deals(s, nt)) {
     // The AVX-512 levels deal rows of 2 and 4 bytes by vectors (KernelTable::deal).

@@ -325,6 +325,14 @@ struct CpuPolicy {
   static constexpr int64_t kCompactMinRowBytes = 64;
   static constexpr int64_t kCompactMaxRowBytes = 512;
   static constexpr int64_t kCompactMinOutBytes = 32 << 20;
+  // What compacting costs a thread per entry (a second read of the index, a store per entry):
+  // direct_row_split_pays weighs it against the walk it divides, so rows of 64 and 128 bytes, which
+  // one thread walked alone on two threads, split too. Zen 5 EPYC, two builds ABBA (two sets of 3
+  // rounds, 9-call medians), time after / before: float32 D = 16 N = K = 1M 0.49x / 0.78x, zipf
+  // 0.67x / 0.92x, N = 2M K = 200k 0.51x / 0.85x; D = 32 N = K = 524288 0.56x / 0.71x, N = K =
+  // 262144 0.57x / 0.79x, N = 524288 K = 100k 0.53x / 0.71x, every entry in one row 0.92x / 0.79x;
+  // float64 D = 16 N = K = 262144 0.60x / 0.82x.
+  static constexpr double kCompactNsPerEntry = 1.0;
   // The direct walk prefetches destination rows ahead only when out is larger than this (a
   // cache-resident out gains nothing and the prefetch costs a third of a D = 1 walk).
   static constexpr int64_t kPrefetchAboveBytes = 1 << 20;

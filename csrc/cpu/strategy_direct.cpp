@@ -493,12 +493,8 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   }
 
   // A row split's in-place walk over rows of the width, and into an out of the size, where
-  // compacting pays (CpuPolicy::kCompactMinRowBytes).
-  const int64_t row_bytes = d * static_cast<int64_t>(es);
-  const bool compact = split_rows && !scratch && row_bytes >= CpuPolicy::kCompactMinRowBytes &&
-                       row_bytes <= CpuPolicy::kCompactMaxRowBytes &&
-                       static_cast<double>(n) * static_cast<double>(out.row_stride) * static_cast<double>(es) >=
-                           static_cast<double>(CpuPolicy::kCompactMinOutBytes);
+  // compacting pays.
+  const bool compact = split_rows && !scratch && direct_compacts({n, k, d, out.dtype});
   parallel_run(nt, [&](int t, int nth) {
     DirectJob mine = job;
     int64_t c0 = 0, c1 = d, w0 = 0, w1 = words;

@@ -225,12 +225,13 @@ TEST(Strategies, DirectRowSplitCompactedGivesTheContractBits) {
     bool weighted, ignore_inside;
   };
   const Case cases[] = {{IndexType::i32, false, false}, {IndexType::i64, true, true}};
-  for (const Shape sh : {Shape{6001, 64, false, 2}, Shape{20000, 16, false, 3}, Shape{20000, 32, true, 3}})
+  for (const Shape sh : {Shape{6001, 64, false, 2}, Shape{20000, 16, false, 2}, Shape{20000, 32, true, 3}})
     for (DType t : kDtypes) {
       const int64_t k = sh.k, d = sh.d, row_bytes = d * static_cast<int64_t>(sa::dtype_size(t));
       if (row_bytes < P::kCompactMinRowBytes || row_bytes > P::kCompactMaxRowBytes) continue;
       if (sa::dtype_size(t) == 2 && !sh.distinct) continue;  // repeated rows: a float32 scratch
       const int64_t n = P::kCompactMinOutBytes / row_bytes + 1000;
+      ASSERT_TRUE(sa::cpu::direct_compacts({n, k, d, t}));
       for (const Case c : cases) {
         const int64_t ignore = c.ignore_inside ? n - 3 : -1;
         const int64_t os = c.weighted ? d + 3 : d, ss = c.weighted ? d : d + 5;
@@ -1129,6 +1130,29 @@ TEST(StrategyChoice, ACachedSortCostsLessOnTheSerialPart) {
   sa::Options two;
   two.num_threads = 2;
   EXPECT_EQ(sa::cpu::choose_add(cached, two), sa::Strategy::count);
+}
+
+// A float32/float64 row split that compacts its entries skips nothing: rows of 64 and 128 bytes
+// into an out larger than the caches split over two threads, where the same rows into a smaller
+// out (skipped one by one) leave one thread walking alone, and the direct walk is priced halved.
+TEST(StrategyChoice, ACompactedRowSplitPaysForNarrowerRows) {
+  using P = sa::cpu::CpuPolicy;
+  sa::Options two;
+  two.num_threads = 2;
+  for (DType t : {DType::f32, DType::f64})
+    for (int64_t d : {int64_t(16), int64_t(32)}) {
+      const int64_t row_bytes = d * static_cast<int64_t>(sa::dtype_size(t));
+      const int64_t big = P::kCompactMinOutBytes / row_bytes, small = big / 4;
+      const sa::cpu::AddShape large{big, big, d, t}, cached{small, small, d, t};
+      ASSERT_TRUE(sa::cpu::direct_compacts(large)) << sa::dtype_name(t) << " D=" << d;
+      ASSERT_FALSE(sa::cpu::direct_compacts(cached));
+      EXPECT_TRUE(sa::cpu::direct_split(large, two, false).rows) << sa::dtype_name(t) << " D=" << d;
+      EXPECT_NEAR(sa::cpu::threaded_ns(large, sa::Strategy::direct, 2),
+                  sa::cpu::estimate_ns(large, sa::Strategy::direct) / 2, 1e-9 * sa::cpu::estimate_ns(large, sa::Strategy::direct));
+      if (row_bytes == 64) EXPECT_FALSE(sa::cpu::direct_split(cached, two, false).rows) << sa::dtype_name(t);
+    }
+  EXPECT_FALSE(sa::cpu::direct_compacts({1 << 20, 1 << 20, 8, DType::f32}));    // rows of 32 bytes
+  EXPECT_FALSE(sa::cpu::direct_compacts({1 << 16, 1 << 16, 256, DType::f32}));  // rows of 1 KiB
 }
 
 // Run by its own CTest entry with SCATTER_ADD_CPU_STRATEGY=bogus (filtered out elsewhere).
