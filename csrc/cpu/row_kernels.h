@@ -426,6 +426,16 @@ struct RowKernels {
         add_direct_loop<I, Weighted, false, false, false>(j, i0, i1, c0, c1);
     }
   }
+  // One contribution added into its row of m elements: element by element (Scalar) or by the
+  // level's vectors.
+  template <bool Weighted, bool Scalar>
+  static inline void add_entry(T* __restrict o, const T* __restrict s, A wi, int64_t m) {
+    if (Scalar) {
+      for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
+    } else {
+      add_once<Weighted>(o, s, wi, m);
+    }
+  }
   // Scalar: the scalar level, or rows of a few columns (the per-element loop, no vector set-up).
   // One: a single column, known at compile time (no column loop). The pointers are restrict (out
   // and src never overlap): otherwise a store through out may alias every field of the job, which
@@ -449,14 +459,7 @@ struct RowKernels {
       if (Prefetch && i < pf_end) prefetch_at(out, own_row(static_cast<uint64_t>(idx[i + kPrefetchAhead]), lo, span), ob, 1);
       const int64_t r = static_cast<int64_t>(idx[i]);
       if (static_cast<uint64_t>(r) - lo >= span || (ign_in_range && r == ign)) continue;
-      T* o = out + r * os;
-      const T* s = src + i * ss;
-      const A wi = Weighted ? w[i] : A(1);
-      if (Scalar) {
-        for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
-      } else {
-        add_once<Weighted>(o, s, wi, m);
-      }
+      add_entry<Weighted, Scalar>(out + r * os, src + i * ss, Weighted ? w[i] : A(1), m);
     }
   }
 
@@ -495,14 +498,7 @@ struct RowKernels {
           prefetch_lines_at(src, static_cast<uint64_t>(p), sb, bytes);
         }
         const int64_t i = b + mine[q];
-        T* o = out + static_cast<int64_t>(idx[i]) * os;
-        const T* s = src + i * ss;
-        const A wi = Weighted ? w[i] : A(1);
-        if (Scalar) {
-          for (int64_t c = 0; c < m; ++c) o[c] = E::put(step1<Weighted>(E::get(o[c]), E::get(s[c]), wi));
-        } else {
-          add_once<Weighted>(o, s, wi, m);
-        }
+        add_entry<Weighted, Scalar>(out + static_cast<int64_t>(idx[i]) * os, src + i * ss, Weighted ? w[i] : A(1), m);
       }
     }
   }
