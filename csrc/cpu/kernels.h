@@ -55,7 +55,7 @@ struct DirectJob {
   uint64_t* touched;    // touched slots (a slot per row, none filled in advance): bit r is set by
                         // row r's first contribution, which fills its slot from out
   bool compact;         // a row split's in-place walk: each block of entries compacted to this
-                        // thread's first (CpuPolicy::kCompactMinRowBytes)
+                        // thread's own first (direct_compacts)
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 
