@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -71,8 +72,10 @@ void reference_add(Buf& out, int64_t n, int64_t d, int64_t os, const Buf& src, i
     acc64.resize(static_cast<size_t>(n * d));
   else
     acc32.resize(static_cast<size_t>(n * d));
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t j = 0; j < d; ++j) {
+  for (const int64_t r : iv)
+    if (!(ignore && r == *ignore)) touched[r] = 1;
+  for (int64_t r = 0; r < n; ++r)  // only the rows that contributions reach start from out
+    for (int64_t j = 0; touched[r] && j < d; ++j) {
       if (t == DType::f64)
         acc64[r * d + j] = out.get(r * os + j);
       else
@@ -81,7 +84,6 @@ void reference_add(Buf& out, int64_t n, int64_t d, int64_t os, const Buf& src, i
   for (size_t i = 0; i < iv.size(); ++i) {
     const int64_t r = iv[i];
     if (ignore && r == *ignore) continue;
-    touched[r] = 1;
     for (int64_t j = 0; j < d; ++j) {
       const double s = src.get(i * ss + j);
       if (t == DType::f64) {
@@ -236,7 +238,10 @@ TEST(Strategies, DirectRowSplitCompactedGivesTheContractBits) {
         const int64_t ignore = c.ignore_inside ? n - 3 : -1;
         const int64_t os = c.weighted ? d + 3 : d, ss = c.weighted ? d : d + 5;
         std::mt19937_64 rng(seed++);
-        const Buf out0 = special_buf(t, static_cast<size_t>(n * os), rng);
+        Buf out0(t, static_cast<size_t>(n * os));  // 32 MiB and more: a special tile repeated
+        const Buf tile = special_buf(t, size_t(1) << 16, rng);
+        for (size_t at = 0; at < out0.bytes.size(); at += tile.bytes.size())
+          std::memcpy(out0.bytes.data() + at, tile.bytes.data(), std::min(tile.bytes.size(), out0.bytes.size() - at));
         const Buf src = special_buf(t, static_cast<size_t>(k * ss), rng);
         std::vector<int64_t> iv = sh.distinct ? std::vector<int64_t>(static_cast<size_t>(k))
                                               : make_indices(Pattern::uniform, n, k, rng);
