@@ -434,9 +434,9 @@ void matmul_table(int threads) {
 // bound adds each source row into its destination row as 32-bit floats (the same bytes whatever
 // the dtype), each thread half of the entries in turn, destination rows prefetched whole 0, 2, 8
 // or 32 entries ahead (the fastest counts): the bytes of a scatter-add of random rows with none
-// of its work. It is not exact (both
-// threads may add into one row at once), so it is a bound and no strategy. Per cell: median ms of
-// ours and the bound, each as a percentage of the stream ceiling measured right before the cell.
+// of its work. It is not exact (both threads may add into one row at once), so it is a bound and
+// no strategy. Per cell: median ms of ours and the bound, each as a percentage of the stream
+// ceiling measured right before the cell.
 void random_rows_table(int threads) {
   struct Cell {
     int64_t n, k, d;
