@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from . import _fake  # noqa: F401  (registers the fake kernels)
-from ._autograd import _forward_ad, forward_ad_active
+from ._autograd import _forward_ad
 from ._checks import check_args, check_types, ignore_index_arg, lnc_arg, typed_error
 from ._ops import ops
 
@@ -39,11 +39,10 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _jit_tracing = torch._C._get_tracing_state
 
 
-def _plain_ok() -> bool:
-    """Whether a call with nothing to record may take the plain twins: not under a functorch
-    transform (their batching rules), a dispatch mode (make_fx and other tracers would record the
-    twin, and a replayed graph would lose the autograd and in-place kernels) or torch.jit.trace."""
-    return not _functorch_active() and not _dispatch_modes() and _jit_tracing() is None
+# A call with nothing to record takes the plain twins unless one of these is active: a functorch
+# transform (its batching rules), a dispatch mode (make_fx and other tracers would record the twin,
+# and a replayed graph would lose the autograd and in-place kernels) or torch.jit.trace. The tests
+# are written out in each function below: a helper's frame would cost more than all three.
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -102,8 +101,10 @@ def scatter_add(
     if ignore_index is not None:
         ignore_index = ignore_index_arg("scatter_add", ignore_index)
     try:
-        if (_grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
-                or _forward_ad._current_level >= 0 or _compiling() or input.is_inference()):
+        # The cheapest tests first: attribute reads before calls. torch.compile folds _compiling()
+        # to True, so a traced call never reaches the tests after it.
+        if ((input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
+                and _grad_enabled()) or _forward_ad._current_level >= 0 or _compiling() or input.is_inference():
             # Through the dispatcher: the op's Autograd kernel records a differentiable update (and
             # refuses a leaf that requires grad), its ADInplaceOrView kernel refuses an inference
             # tensor and bumps the version counter, and the kernel checks everything before it
@@ -112,11 +113,11 @@ def scatter_add(
         else:
             # Those kernels inlined: nothing to record or check for a normal tensor, and the
             # version bump here costs a fraction of a Python kernel's dispatch.
-            if _plain_ok():
-                _scatter_add_plain(input, index, src, weight, ignore_index)
-            else:
+            if _functorch_active() or _dispatch_modes() or _jit_tracing() is not None:
                 with _BelowADInplaceOrView():
                     _scatter_add_eager(input, index, src, weight, ignore_index)
+            else:
+                _scatter_add_plain(input, index, src, weight, ignore_index)
             _increment_version((input,))
     except Exception as e:
         _raise("scatter_add", e, input, index, src, weight)
@@ -138,13 +139,13 @@ def index_add(
     if ignore_index is not None:
         ignore_index = ignore_index_arg("index_add", ignore_index)
     try:
-        if _compiling() or forward_ad_active() or (
-                _grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))):
+        if ((input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
+                and _grad_enabled()) or _forward_ad._current_level >= 0 or _compiling():
             return _index_add(input, index, src, weight, ignore_index)  # through the op's Autograd kernel
-        if _plain_ok():
-            return _index_add_plain(input, index, src, weight, ignore_index)  # nothing to differentiate
-        with _BelowAutograd():
-            return _index_add_eager(input, index, src, weight, ignore_index)
+        if _functorch_active() or _dispatch_modes() or _jit_tracing() is not None:
+            with _BelowAutograd():
+                return _index_add_eager(input, index, src, weight, ignore_index)
+        return _index_add_plain(input, index, src, weight, ignore_index)  # nothing to differentiate
     except Exception as e:
         _raise("index_add", e, input, index, src, weight)
 
@@ -162,12 +163,12 @@ def gather(
     if ignore_index is not None:
         ignore_index = ignore_index_arg("gather", ignore_index)
     try:
-        if _compiling() or forward_ad_active() or (
-                _grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))):
+        if ((input.requires_grad or (weight is not None and weight.requires_grad)) and _grad_enabled()
+                or _forward_ad._current_level >= 0 or _compiling()):
             return _gather(input, index, weight, ignore_index)
-        if _plain_ok():
-            return _gather_plain(input, index, weight, ignore_index)
-        with _BelowAutograd():
-            return _gather_eager(input, index, weight, ignore_index)
+        if _functorch_active() or _dispatch_modes() or _jit_tracing() is not None:
+            with _BelowAutograd():
+                return _gather_eager(input, index, weight, ignore_index)
+        return _gather_plain(input, index, weight, ignore_index)
     except Exception as e:
         _raise("gather", e, input, index, _NO_SRC, weight)
