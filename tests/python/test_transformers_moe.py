@@ -347,7 +347,7 @@ def graph_breaks(block, x):
     return torch._dynamo.explain(block)(x).graph_break_count
 
 
-@pytest.mark.parametrize("model", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model", MODELS)
 def test_torch_compile_block(sa, name, model):
     m = build(model)
     block = moe_block(m)
