@@ -52,6 +52,8 @@ class ExpertParallel:
         self.local_experts = num_experts // self.world
         self.first_expert = self.rank * self.local_experts
         self.profile = profile
+        # gloo's transfers wait for its worker thread to let go of their tensors (_transfer).
+        self._gloo = dist.get_backend(group) == "gloo" and hasattr(torch.Tensor, "_use_count")
         self.timings: Dict[str, float] = {"dispatch": 0.0, "communication": 0.0, "combine": 0.0}
 
     def _timed(self, key, fn):
@@ -65,8 +67,23 @@ class ExpertParallel:
     def _all_to_all(self, rows: torch.Tensor, send: Optional[List[int]], recv: Optional[List[int]]) -> torch.Tensor:
         n = sum(recv) if recv is not None else rows.shape[0]
         out = rows.new_empty((n,) + tuple(rows.shape[1:]))
-        self._timed("communication", lambda: dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group))
+        src = rows.contiguous()
+        self._timed("communication", lambda: self._transfer(out, src, send, recv))
         return out
+
+    def _transfer(self, out: torch.Tensor, src: torch.Tensor, send, recv) -> None:
+        held = (out._use_count(), src._use_count())
+        dist.all_to_all_single(out, src, recv, send, group=self.group)
+        if not self._gloo:
+            return
+        # gloo's worker thread lets go of a finished transfer's tensors a moment after the call
+        # returns, and needs the GIL to do it (each tensor's Python object is released with it). A
+        # process that exits within that moment aborts ("terminate called without an active
+        # exception"), so the call ends when they are let go, the GIL released while it waits
+        # (1 s at most).
+        deadline = time.monotonic() + 1.0
+        while (out._use_count() > held[0] or src._use_count() > held[1]) and time.monotonic() < deadline:
+            time.sleep(0)
 
     # --- static capacity ------------------------------------------------------------------------
 
