@@ -1,6 +1,7 @@
-"""The expert-parallel line of `make bench`: the Mixtral-style block split over W ranks (gloo,
-loopback, one thread per rank), time per layer and its split into dispatch (local gathers),
-experts, communication (all_to_all) and combine (index_add), for static capacity and dropless.
+"""The expert-parallel line of `make bench`: transformers' Mixtral sparse MoE block split over W
+ranks (examples/expert_parallel.py; gloo, loopback, one thread per rank; each rank's experts by
+scatter_add.moe), time per layer and its split into dispatch (local gathers), experts,
+communication (all_to_all) and combine (index_add), for static capacity and dropless.
 
     .venv/bin/python -m torch.distributed.run --nproc_per_node=2 benchmarks/bench_distributed.py OUT.json [--quick]
 Rank 0 writes the figures (max over ranks of each phase, median over iterations) to OUT.json.
@@ -16,8 +17,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from expert_parallel import ExpertParallelMoE  # noqa: E402
-from moe_layer import MixtralSparseMoE  # noqa: E402
+from expert_parallel import ExpertParallelMoE, mixtral_block  # noqa: E402
 
 
 def main():
@@ -29,16 +29,18 @@ def main():
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     sa = kernels.get_local_kernel(ROOT)
+    sa.moe.register()
     hidden, inter, tokens = (256, 512, 64) if quick else (1024, 3584, 512)
     iters = 2 if quick else 5
     dtype = torch.float32  # gloo's all_to_all has no bfloat16
-    full = MixtralSparseMoE(hidden, inter, dtype=dtype)
+    block = mixtral_block(hidden, inter, dtype=dtype)
     results = {"world": world, "hidden": hidden, "intermediate": inter, "tokens_per_rank": tokens,
                "dtype": str(dtype).replace("torch.", ""), "modes": {}}
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank)).to(dtype)
     for mode in ("static", "dropless"):
-        ep = sa.distributed.ExpertParallel(full.num_experts, profile=True)
-        layer = ExpertParallelMoE(full, ep)
+        ep = sa.distributed.ExpertParallel(block.experts.num_experts, profile=True)
+        layer = ExpertParallelMoE(block, ep)
+        layer.experts.config._experts_implementation = "scatter_add"
         samples = []
         with torch.no_grad():
             layer(x, mode)  # warm-up

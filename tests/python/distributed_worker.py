@@ -1,8 +1,10 @@
 """One rank of tests/python/test_distributed.py (launched by torchrun, gloo, loopback only): the
-expert-parallel MoE layer against the single-process layer on this rank's tokens, in float64, for
-every (mode, case) of CASES in one process group (a launch of torchrun and its ranks' imports cost
-several seconds). Writes {"rank", "world", "max_diff", "max_out", "shape"} as JSON to
-<out_dir>/<mode>-<case>-rank<r>.json."""
+expert-parallel layer of examples/expert_parallel.py over transformers' Mixtral block against the
+block's own experts in one process on this rank's tokens, in float64, for every (mode, case) of
+CASES in one process group (a launch of torchrun and its ranks' imports cost several seconds).
+Writes {"rank", "world", "max_diff", "max_out", "shape", "dropped"} as JSON to
+<out_dir>/<mode>-<case>-rank<r>.json, and the tensors' use counts after each of a series of
+transfers to <out_dir>/transfers-rank<r>.json."""
 import json
 import os
 import sys
@@ -13,8 +15,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
-from expert_parallel import ExpertParallelMoE  # noqa: E402
-from moe_layer import MixtralSparseMoE  # noqa: E402
+from expert_parallel import ExpertParallelMoE, capacity_keep, mixtral_block, reference  # noqa: E402
 
 
 CASES = [("static", "routed"), ("dropless", "routed"), ("static", "one_rank"), ("dropless", "one_rank")]
@@ -22,21 +23,39 @@ CASES = [("static", "routed"), ("dropless", "routed"), ("static", "one_rank"), (
 
 def run_case(sa, rank, world, mode, case, out_dir):
     hidden, inter, tokens = 48, 96, 40
-    cf = 1.0 if mode == "static" else 8.0  # dropless reference: capacity that drops nothing
-    full = MixtralSparseMoE(hidden, inter, num_experts=8, top_k=2, capacity_factor=cf, dtype=torch.float64)
-    layer = ExpertParallelMoE(full, sa.distributed.ExpertParallel(full.num_experts))
+    block = mixtral_block(hidden, inter, num_experts=8, top_k=2, dtype=torch.float64)
+    # static capacity with factor 1.0 drops pairs whenever the routing is uneven
+    layer = ExpertParallelMoE(block, sa.distributed.ExpertParallel(8), capacity_factor=1.0)
+    layer.experts.config._experts_implementation = "scatter_add"  # this rank's experts by ours
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(tokens + (rank if mode == "dropless" else 0), hidden, generator=g, dtype=torch.float64)
-    routing = None
     if case == "one_rank":  # every token to experts 0 and 1, both owned by rank 0
-        w = torch.rand(x.shape[0], 2, generator=g)
+        w = torch.rand(x.shape[0], 2, generator=g)  # float32, as the router gives
         routing = (w / w.sum(1, keepdim=True), torch.tensor([[0, 1]]).repeat(x.shape[0], 1))
+    else:
+        routing = layer.route(x)
+    keep = None
+    if mode == "static":
+        keep = capacity_keep(routing[1], 8, layer.capacity(x.shape[0], 2))
     with torch.no_grad():
         ours = layer(x, mode, routing=routing)
-        ref = full(x, "native", routing=routing)
+        ref = reference(block, x, routing, keep)  # the block's experts module, eager
     result = {"rank": rank, "world": world, "max_diff": (ours - ref).abs().max().item(),
-              "max_out": ref.abs().max().item(), "shape": list(ours.shape)}
+              "max_out": ref.abs().max().item(), "shape": list(ours.shape),
+              "dropped": 0 if keep is None else int((~keep).sum())}
     Path(out_dir, f"{mode}-{case}-rank{rank}.json").write_text(json.dumps(result))
+
+
+def transfers(sa, rank, out_dir):
+    """Use counts of each transfer's tensors as the call returns: gloo's worker thread must have let
+    go of them by then (else a process that exits right after its last transfer can abort)."""
+    ep = sa.distributed.ExpertParallel(8)
+    counts = []
+    for i in range(30):
+        src = torch.full((64, 32), float(i))
+        out = ep._all_to_all(src, None, None)
+        counts.append([src._use_count(), out._use_count()])
+    Path(out_dir, f"transfers-rank{rank}.json").write_text(json.dumps(counts))
 
 
 def main(out_dir: str):
@@ -46,8 +65,10 @@ def main(out_dir: str):
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     sa = kernels.get_local_kernel(ROOT, backend=os.environ.get("SCATTER_ADD_BACKEND") or None)
+    sa.moe.register()
     for mode, case in CASES:
         run_case(sa, rank, world, mode, case, out_dir)
+    transfers(sa, rank, out_dir)
     dist.destroy_process_group()
 
 
