@@ -101,10 +101,11 @@ def scatter_add(
     if ignore_index is not None:
         ignore_index = ignore_index_arg("scatter_add", ignore_index)
     try:
-        # The cheapest tests first: attribute reads before calls. torch.compile folds _compiling()
-        # to True, so a traced call never reaches the tests after it.
-        if ((input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
-                and _grad_enabled()) or _forward_ad._current_level >= 0 or _compiling() or input.is_inference():
+        # Grad mode first: under no_grad / inference_mode (inference, the calls that are small) it
+        # skips the requires_grad reads. torch.compile folds _compiling() to True, so a traced call
+        # never reaches the tests after it.
+        if (_grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
+                or _forward_ad._current_level >= 0 or _compiling() or input.is_inference()):
             # Through the dispatcher: the op's Autograd kernel records a differentiable update (and
             # refuses a leaf that requires grad), its ADInplaceOrView kernel refuses an inference
             # tensor and bumps the version counter, and the kernel checks everything before it
@@ -139,8 +140,8 @@ def index_add(
     if ignore_index is not None:
         ignore_index = ignore_index_arg("index_add", ignore_index)
     try:
-        if ((input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
-                and _grad_enabled()) or _forward_ad._current_level >= 0 or _compiling():
+        if (_grad_enabled() and (input.requires_grad or src.requires_grad or (weight is not None and weight.requires_grad))
+                or _forward_ad._current_level >= 0 or _compiling()):
             return _index_add(input, index, src, weight, ignore_index)  # through the op's Autograd kernel
         if _functorch_active() or _dispatch_modes() or _jit_tracing() is not None:
             with _BelowAutograd():
@@ -163,7 +164,7 @@ def gather(
     if ignore_index is not None:
         ignore_index = ignore_index_arg("gather", ignore_index)
     try:
-        if ((input.requires_grad or (weight is not None and weight.requires_grad)) and _grad_enabled()
+        if (_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad))
                 or _forward_ad._current_level >= 0 or _compiling()):
             return _gather(input, index, weight, ignore_index)
         if _functorch_active() or _dispatch_modes() or _jit_tracing() is not None:
