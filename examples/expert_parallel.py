@@ -15,7 +15,6 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -36,7 +35,11 @@ def slot_positions(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[T * k]: each pair's place in its expert's queue; pairs queue in token order, then choice
     order."""
     flat = experts.reshape(-1)
-    return (F.one_hot(flat, num_experts).cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+    order = torch.sort(flat, stable=True).indices  # expert-major, pair order within an expert
+    counts = torch.bincount(flat, minlength=num_experts)
+    pos = torch.empty_like(flat)
+    pos[order] = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    return pos
 
 
 def capacity_keep(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

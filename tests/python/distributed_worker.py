@@ -48,20 +48,51 @@ def run_case(sa, rank, world, mode, case, out_dir):
 
 def transfers(sa, rank, out_dir):
     """Use counts of each transfer's tensors as the call returns: gloo's worker thread must have let
-    go of them by then (else a process that exits right after its last transfer can abort)."""
+    go of them by then (else a process that exits right after its last transfer can abort). On the
+    default group (init_process_group() with no backend: "cpu:gloo") and on a group made with
+    backend="gloo"."""
+    result = {}
+    for name, group in (("default", None), ("named", dist.new_group(backend="gloo"))):
+        ep = sa.distributed.ExpertParallel(8, group=group)
+        counts = []
+        for i in range(30):
+            src = torch.full((64, 32), float(i))
+            out = ep._all_to_all(src, None, None)
+            counts.append([src._use_count(), out._use_count()])
+        result[name] = counts
+    Path(out_dir, f"transfers-rank{rank}.json").write_text(json.dumps(result))
+
+
+def compiled(sa, rank, out_dir):
+    """The static dispatch under torch.compile(fullgraph=True): one graph, the eager rows."""
     ep = sa.distributed.ExpertParallel(8)
-    counts = []
-    for i in range(30):
-        src = torch.full((64, 32), float(i))
-        out = ep._all_to_all(src, None, None)
-        counts.append([src._use_count(), out._use_count()])
-    Path(out_dir, f"transfers-rank{rank}.json").write_text(json.dumps(counts))
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(12, 16, generator=g)
+    slot_token = torch.randint(-1, 12, (8 * 3,), generator=g)
+    eager = ep.dispatch_static(x, slot_token)
+    fn = torch.compile(lambda x, s: ep.dispatch_static(x, s) * 1, backend="eager", fullgraph=True)
+    same = bool(torch.equal(fn(x, slot_token), eager))
+    Path(out_dir, f"compiled-rank{rank}.json").write_text(json.dumps({"same": same}))
+
+
+def uneven_static(sa, rank, out_dir):
+    """Static capacity with a different token count on each rank: a ValueError on every rank."""
+    block = mixtral_block(16, 32, num_experts=8, top_k=2, dtype=torch.float64)
+    layer = ExpertParallelMoE(block, sa.distributed.ExpertParallel(8), capacity_factor=1.0)
+    x = torch.randn(8 + 8 * rank, 16, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            layer(x, "static")
+        message = None
+    except ValueError as e:
+        message = str(e)
+    Path(out_dir, f"uneven-rank{rank}.json").write_text(json.dumps({"error": message}))
 
 
 def main(out_dir: str):
     import kernels
 
-    dist.init_process_group("gloo")
+    dist.init_process_group()  # no backend named: gloo on the CPU
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     sa = kernels.get_local_kernel(ROOT, backend=os.environ.get("SCATTER_ADD_BACKEND") or None)
@@ -69,6 +100,8 @@ def main(out_dir: str):
     for mode, case in CASES:
         run_case(sa, rank, world, mode, case, out_dir)
     transfers(sa, rank, out_dir)
+    compiled(sa, rank, out_dir)
+    uneven_static(sa, rank, out_dir)
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
 from distributed_worker import CASES
@@ -39,5 +40,23 @@ def test_distributed_expert_parallel_matches_single_process(tmp_path, world):
         if (mode, case) == ("static", "one_rank"):  # 80 pairs into two experts' slots: most dropped
             assert all(res["dropped"] > 0 for res in results), results
     for i in range(world):
-        counts = json.loads((tmp_path / f"transfers-rank{i}.json").read_text())
-        assert counts == [[1, 1]] * len(counts), (i, counts)
+        for group, counts in json.loads((tmp_path / f"transfers-rank{i}.json").read_text()).items():
+            assert counts == [[1, 1]] * len(counts), (i, group, counts)
+        assert json.loads((tmp_path / f"compiled-rank{i}.json").read_text())["same"], i
+        error = json.loads((tmp_path / f"uneven-rank{i}.json").read_text())["error"]
+        assert error is not None and "same slots per expert on every rank" in error, (i, error)
+
+
+def test_capacity_queues_pairs_in_token_order():
+    """Static capacity's slots by hand: pairs claim their expert's slots in token order, then
+    choice order; with 2 slots per expert, token 2's first choice and both of token 3's find
+    their experts full."""
+    from expert_parallel import capacity_keep, capacity_slots
+
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
+    keep = capacity_keep(experts, 3, 2)
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [False, False]]
+    slot_token, slot_weight = capacity_slots(experts, weights, 3, 2)
+    assert slot_token.tolist() == [0, 1, 0, 2, 1, -1]  # expert 0: tokens 0, 1; 1: 0, 2; 2: 1, empty
+    assert slot_weight.tolist() == pytest.approx([0.6, 0.7, 0.4, 0.5, 0.3, 0.0])

@@ -52,8 +52,7 @@ class ExpertParallel:
         self.local_experts = num_experts // self.world
         self.first_expert = self.rank * self.local_experts
         self.profile = profile
-        # gloo's transfers wait for its worker thread to let go of their tensors (_transfer).
-        self._gloo = dist.get_backend(group) == "gloo" and hasattr(torch.Tensor, "_use_count")
+        self._gloo: Dict[str, bool] = {}  # device type -> whether gloo moves its tensors (_transfer)
         self.timings: Dict[str, float] = {"dispatch": 0.0, "communication": 0.0, "combine": 0.0}
 
     def _timed(self, key, fn):
@@ -71,11 +70,24 @@ class ExpertParallel:
         self._timed("communication", lambda: self._transfer(out, src, send, recv))
         return out
 
+    def _by_gloo(self, device_type: str) -> bool:
+        """Whether the group moves tensors of this device type with gloo: its backend config is
+        "gloo", or per device, "cpu:gloo,cuda:nccl" (init_process_group() with no backend names
+        no single one)."""
+        known = self._gloo.get(device_type)
+        if known is None:
+            config = str(dist.get_backend_config(self.group))
+            per_device = dict(p.split(":", 1) for p in config.split(",") if ":" in p)
+            known = per_device.get(device_type, config) == "gloo" and hasattr(torch.Tensor, "_use_count")
+            self._gloo[device_type] = known
+        return known
+
     def _transfer(self, out: torch.Tensor, src: torch.Tensor, send, recv) -> None:
+        if torch.compiler.is_compiling() or not self._by_gloo(out.device.type):
+            dist.all_to_all_single(out, src, recv, send, group=self.group)
+            return
         held = (out._use_count(), src._use_count())
         dist.all_to_all_single(out, src, recv, send, group=self.group)
-        if not self._gloo:
-            return
         # gloo's worker thread lets go of a finished transfer's tensors a moment after the call
         # returns, and needs the GIL to do it (each tensor's Python object is released with it). A
         # process that exits within that moment aborts ("terminate called without an active
@@ -92,6 +104,18 @@ class ExpertParallel:
         [local_experts, W * C, H]: for each local expert, C slots from every rank in rank order."""
         e, w = self.num_experts, self.world
         c = slot_token.numel() // e
+        if slot_token.dim() != 1 or slot_token.numel() != c * e:
+            raise ValueError(f"slot_token must be 1-D with num_experts ({e}) x C slots, got shape "
+                             f"{tuple(slot_token.shape)}")
+        if not torch.compiler.is_compiling():
+            # Every rank must hold the same C (the transfers' sizes follow from it): one small
+            # collective turns a mismatch into this error on every rank, where gloo would abort and
+            # nccl could read past a buffer.
+            cs = torch.tensor([c, -c], dtype=torch.int64, device=x.device)
+            self._timed("communication", lambda: dist.all_reduce(cs, op=dist.ReduceOp.MAX, group=self.group))
+            if int(cs[0]) != c or int(cs[1]) != -c:
+                raise ValueError(f"static capacity needs the same slots per expert on every rank: C = {c} "
+                                 f"on rank {self.rank}, from {-int(cs[1])} to {int(cs[0])} over the ranks")
         send = self._timed("dispatch", lambda: gather(x, slot_token, ignore_index=-1))  # [E*C, H], rank-major
         recv = self._all_to_all(send, None, None)  # [W * E_local * C, H]
         h = x.shape[1]
@@ -124,7 +148,7 @@ class ExpertParallel:
         send = self._timed("dispatch", lambda: gather(x, token))
         recv = self._all_to_all(send, send_splits.tolist(), recv_splits)
         # received rows: rank-major, expert-minor -> group by local expert (stable keeps rank order)
-        local_expert = torch.repeat_interleave(torch.arange(self.local_experts).repeat(self.world),
+        local_expert = torch.repeat_interleave(torch.arange(self.local_experts, device=recv_counts.device).repeat(self.world),
                                                recv_counts.reshape(-1))
         recv_sort = torch.sort(local_expert, stable=True).indices
         state = DroplessState(order_token=token, order_weight=weights.reshape(-1)[order],
