@@ -22,6 +22,7 @@ struct RowsJob {
   const int64_t* sources;
   int64_t num_sources;  // offsets[R]; bounds the prefetch of upcoming source rows
   const void* w;        // accumulator type, indexed by source id; null when unweighted
+  bool far;             // the walk moves more bytes than the caches hold (CpuPolicy::kFarWalkBytes)
 };
 using AddRowsFn = void (*)(const RowsJob& job, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
 

@@ -23,9 +23,13 @@ void run_planned(const Matrix& out, const Plan& plan, const ConstMatrix& src, co
   const size_t es = dtype_size(out.dtype);
   const double bytes = static_cast<double>(split.total()) * static_cast<double>(d) * static_cast<double>(es);
   const int nt = row_threads_for(o, bytes, out.dtype);
+  // The bytes the walk reads and writes: its sources and its destination rows.
+  const double touched = static_cast<double>(plan.offsets().back() + plan.num_distinct()) * static_cast<double>(d) *
+                         static_cast<double>(es);
   const RowsJob job{out.data,          out.row_stride,         src.data,
                     src.row_stride,    plan.rows().data(),     plan.offsets().data(),
-                    plan.sources().data(), plan.offsets().back(), w};
+                    plan.sources().data(), plan.offsets().back(), w,
+                    touched >= static_cast<double>(CpuPolicy::kFarWalkBytes)};
   parallel_run(nt, [&](int t, int n) {
     split.for_share(t, n, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) { fn(job, r0, r1, c0, c1); });
   });

@@ -270,6 +270,42 @@ TEST(Strategies, DirectRowSplitCompactedGivesTheContractBits) {
     }
 }
 
+// A plan walk over more bytes than the caches hold prefetches source rows of up to 2 KiB whole
+// (RowsJob::far): rows of 2000 bytes (2048 for float32), a uniform index and one with
+// hot rows, weights and ignored entries, both plan sorts, one and three threads, against the
+// reference.
+TEST(Strategies, FarPlanWalkOverRowsOfUpTo2KiBGivesTheContractBits) {
+  using P = sa::cpu::CpuPolicy;
+  uint64_t seed = 950;
+  for (DType t : kDtypes) {
+    const int64_t row_bytes = t == DType::f32 ? 2048 : 2000;
+    const int64_t d = row_bytes / static_cast<int64_t>(sa::dtype_size(t)), k = 18000, n = 8000;
+    ASSERT_GE(k * row_bytes, P::kFarWalkBytes);  // the sources alone
+    for (const Pattern pat : {Pattern::uniform, Pattern::zipf}) {
+      std::mt19937_64 rng(seed++);
+      const Buf out0 = special_buf(t, static_cast<size_t>(n * d), rng);
+      const Buf src = special_buf(t, static_cast<size_t>(k * d), rng);
+      std::vector<int64_t> iv = make_indices(pat, n, k, rng);
+      const int64_t ignore = iv[5];
+      const Idx idx = make_idx(IndexType::i32, iv);
+      const std::vector<float> w = special_weights(k, rng);
+      Buf want = out0;
+      reference_add(want, n, d, d, src, d, iv, w.data(), ignore);
+      for (const sa::Strategy st : {sa::Strategy::count, sa::Strategy::radix})
+        for (int threads : {1, 3}) {
+          sa::Options o;
+          o.num_threads = threads;
+          o.strategy = st;
+          o.ignore_index = ignore;
+          Buf out = out0;
+          sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d), {w.data(), k, DType::f32}, o);
+          ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " D=" << d << " " << sa::strategy_name(st)
+                                           << " threads=" << threads << (pat == Pattern::zipf ? " zipf" : "");
+        }
+    }
+  }
+}
+
 // Rows wide enough for a column split: the direct walk gives the threads ranges of rows instead
 // when a sample of the index shows them balanced (each shape asserts which it sees at two
 // threads), and columns of every row when a hot row holds most entries; a sorted index takes
