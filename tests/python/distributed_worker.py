@@ -75,8 +75,9 @@ def compiled(sa, rank, out_dir):
     Path(out_dir, f"compiled-rank{rank}.json").write_text(json.dumps({"same": same}))
 
 
-def uneven_static(sa, rank, out_dir):
-    """Static capacity with a different token count on each rank: a ValueError on every rank."""
+def uneven_static(sa, rank, world, out_dir):
+    """Static capacity with a different token count on each rank, or a table of the wrong shape
+    on one: a ValueError on every rank."""
     block = mixtral_block(16, 32, num_experts=8, top_k=2, dtype=torch.float64)
     layer = ExpertParallelMoE(block, sa.distributed.ExpertParallel(8), capacity_factor=1.0)
     x = torch.randn(8 + 8 * rank, 16, dtype=torch.float64)
@@ -86,7 +87,15 @@ def uneven_static(sa, rank, out_dir):
         message = None
     except ValueError as e:
         message = str(e)
-    Path(out_dir, f"uneven-rank{rank}.json").write_text(json.dumps({"error": message}))
+    # a table of the wrong shape on the last rank only: the same error everywhere, nobody waits
+    ep = sa.distributed.ExpertParallel(8)
+    table = torch.full((8 * 2,), -1)
+    try:
+        ep.dispatch_static(x, table.view(8, 2) if rank == world - 1 else table)
+        shape_message = None
+    except ValueError as e:
+        shape_message = str(e)
+    Path(out_dir, f"uneven-rank{rank}.json").write_text(json.dumps({"error": message, "shape_error": shape_message}))
 
 
 def main(out_dir: str):
@@ -101,7 +110,7 @@ def main(out_dir: str):
         run_case(sa, rank, world, mode, case, out_dir)
     transfers(sa, rank, out_dir)
     compiled(sa, rank, out_dir)
-    uneven_static(sa, rank, out_dir)
+    uneven_static(sa, rank, world, out_dir)
     dist.destroy_process_group()
 
 

@@ -104,18 +104,27 @@ class ExpertParallel:
         [local_experts, W * C, H]: for each local expert, C slots from every rank in rank order."""
         e, w = self.num_experts, self.world
         c = slot_token.numel() // e
+        shape_error = None
         if slot_token.dim() != 1 or slot_token.numel() != c * e:
-            raise ValueError(f"slot_token must be 1-D with num_experts ({e}) x C slots, got shape "
-                             f"{tuple(slot_token.shape)}")
+            shape_error = (f"slot_token must be 1-D with num_experts ({e}) x C slots, got shape "
+                           f"{tuple(slot_token.shape)} on rank {self.rank}")
         if not torch.compiler.is_compiling():
-            # Every rank must hold the same C (the transfers' sizes follow from it): one small
-            # collective turns a mismatch into this error on every rank, where gloo would abort and
+            # Every rank must hold a valid table with the same C (the transfers' sizes follow from
+            # it): one small collective, then the same error on every rank, where a rank that
+            # raised alone would leave the others waiting, gloo would abort on a size mismatch and
             # nccl could read past a buffer.
-            cs = torch.tensor([c, -c], dtype=torch.int64, device=x.device)
+            cs = torch.tensor([c, -c, shape_error is not None], dtype=torch.int64, device=x.device)
             self._timed("communication", lambda: dist.all_reduce(cs, op=dist.ReduceOp.MAX, group=self.group))
-            if int(cs[0]) != c or int(cs[1]) != -c:
+            hi, lo, bad = int(cs[0]), -int(cs[1]), int(cs[2])
+            if shape_error is not None:
+                raise ValueError(shape_error)
+            if bad:
+                raise ValueError("slot_token has the wrong shape on another rank (its error names it)")
+            if hi != c or lo != c:
                 raise ValueError(f"static capacity needs the same slots per expert on every rank: C = {c} "
-                                 f"on rank {self.rank}, from {-int(cs[1])} to {int(cs[0])} over the ranks")
+                                 f"on rank {self.rank}, from {lo} to {hi} over the ranks")
+        elif shape_error is not None:
+            raise ValueError(shape_error)
         send = self._timed("dispatch", lambda: gather(x, slot_token, ignore_index=-1))  # [E*C, H], rank-major
         recv = self._all_to_all(send, None, None)  # [W * E_local * C, H]
         h = x.shape[1]
