@@ -50,7 +50,7 @@ def transfers(sa, rank, out_dir):
     """Use counts of each transfer's tensors as the call returns: gloo's worker thread must have let
     go of them by then (else a process that exits right after its last transfer can abort). On the
     default group (init_process_group() with no backend: "cpu:gloo") and on a group made with
-    backend="gloo"."""
+    backend="gloo"; and a plain all_reduce run inside distributed.settled()."""
     result = {}
     for name, group in (("default", None), ("named", dist.new_group(backend="gloo"))):
         ep = sa.distributed.ExpertParallel(8, group=group)
@@ -60,6 +60,13 @@ def transfers(sa, rank, out_dir):
             out = ep._all_to_all(src, None, None)
             counts.append([src._use_count(), out._use_count()])
         result[name] = counts
+    reduced = []  # a plain all_reduce inside settled(), on the default group
+    for i in range(30):
+        t = torch.full((256,), float(i))
+        with sa.distributed.settled(t):
+            dist.all_reduce(t)
+        reduced.append([t._use_count(), 1])
+    result["settled_all_reduce"] = reduced
     Path(out_dir, f"transfers-rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -19,16 +19,45 @@ Two layouts:
 Every rank must call each function collectively, in the same order. Times of the local steps and of
 the communication are accumulated in `ExpertParallel.timings` (seconds) when `profile=True`.
 """
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ._api import gather, index_add
 
-__all__ = ["ExpertParallel", "DroplessState"]
+__all__ = ["ExpertParallel", "DroplessState", "settled"]
+
+def _by_gloo(group: Optional[dist.ProcessGroup], device_type: str) -> bool:
+    """Whether the group moves tensors of this device type with gloo: its backend config is
+    "gloo", or per device, "cpu:gloo,cuda:nccl" (init_process_group() with no backend names no
+    single one)."""
+    config = str(dist.get_backend_config(group))
+    per_device = dict(p.split(":", 1) for p in config.split(",") if ":" in p)
+    return per_device.get(device_type, config) == "gloo" and hasattr(torch.Tensor, "_use_count")
+
+
+@contextlib.contextmanager
+def settled(*tensors: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> Iterator[None]:
+    """Around a blocking gloo collective over these tensors: leaves only once gloo's worker thread
+    has let go of them.
+
+    That thread drops a finished collective's tensors a moment after the call returns, and needs
+    the GIL to do it (each tensor's Python object is released with it). A process that exits
+    within that moment aborts ("terminate called without an active exception"), so a script whose
+    last act is a collective should run it inside this. It waits with the GIL released, 1 s at
+    most; with another backend, or under torch.compile, it does nothing."""
+    if not tensors or torch.compiler.is_compiling() or not _by_gloo(group, tensors[0].device.type):
+        yield
+        return
+    held = [t._use_count() for t in tensors]
+    yield
+    deadline = time.monotonic() + 1.0
+    while any(t._use_count() > h for t, h in zip(tensors, held)) and time.monotonic() < deadline:
+        time.sleep(0)
 
 
 @dataclass
@@ -52,7 +81,6 @@ class ExpertParallel:
         self.local_experts = num_experts // self.world
         self.first_expert = self.rank * self.local_experts
         self.profile = profile
-        self._gloo: Dict[str, bool] = {}  # device type -> whether gloo moves its tensors (_transfer)
         self.timings: Dict[str, float] = {"dispatch": 0.0, "communication": 0.0, "combine": 0.0}
 
     def _timed(self, key, fn):
@@ -70,32 +98,9 @@ class ExpertParallel:
         self._timed("communication", lambda: self._transfer(out, src, send, recv))
         return out
 
-    def _by_gloo(self, device_type: str) -> bool:
-        """Whether the group moves tensors of this device type with gloo: its backend config is
-        "gloo", or per device, "cpu:gloo,cuda:nccl" (init_process_group() with no backend names
-        no single one)."""
-        known = self._gloo.get(device_type)
-        if known is None:
-            config = str(dist.get_backend_config(self.group))
-            per_device = dict(p.split(":", 1) for p in config.split(",") if ":" in p)
-            known = per_device.get(device_type, config) == "gloo" and hasattr(torch.Tensor, "_use_count")
-            self._gloo[device_type] = known
-        return known
-
     def _transfer(self, out: torch.Tensor, src: torch.Tensor, send, recv) -> None:
-        if torch.compiler.is_compiling() or not self._by_gloo(out.device.type):
+        with settled(out, src, group=self.group):
             dist.all_to_all_single(out, src, recv, send, group=self.group)
-            return
-        held = (out._use_count(), src._use_count())
-        dist.all_to_all_single(out, src, recv, send, group=self.group)
-        # gloo's worker thread lets go of a finished transfer's tensors a moment after the call
-        # returns, and needs the GIL to do it (each tensor's Python object is released with it). A
-        # process that exits within that moment aborts ("terminate called without an active
-        # exception"), so the call ends when they are let go, the GIL released while it waits
-        # (1 s at most).
-        deadline = time.monotonic() + 1.0
-        while (out._use_count() > held[0] or src._use_count() > held[1]) and time.monotonic() < deadline:
-            time.sleep(0)
 
     # --- static capacity ------------------------------------------------------------------------
 
@@ -114,7 +119,8 @@ class ExpertParallel:
             # raised alone would leave the others waiting, gloo would abort on a size mismatch and
             # nccl could read past a buffer.
             cs = torch.tensor([c, -c, shape_error is not None], dtype=torch.int64, device=x.device)
-            self._timed("communication", lambda: dist.all_reduce(cs, op=dist.ReduceOp.MAX, group=self.group))
+            with settled(cs, group=self.group):
+                self._timed("communication", lambda: dist.all_reduce(cs, op=dist.ReduceOp.MAX, group=self.group))
             hi, lo, bad = int(cs[0]), -int(cs[1]), int(cs[2])
             if shape_error is not None:
                 raise ValueError(shape_error)
