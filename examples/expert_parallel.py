@@ -13,6 +13,7 @@ pairs' weights set to zero.
 import copy
 import math
 import sys
+import time
 
 import torch
 from torch import nn
@@ -86,8 +87,6 @@ class ExpertParallelMoE(nn.Module):
     def run_experts(self, rows: torch.Tensor, counts) -> torch.Tensor:
         """rows [R, H] grouped by local expert, counts[j] rows for expert j: each row through its
         expert by the experts module itself (top-1 routing, weight 1, which multiplies exactly)."""
-        import time
-
         t0 = time.perf_counter()
         ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
                                       torch.as_tensor(counts, device=rows.device))

@@ -13,6 +13,8 @@ experts' ranks and back with `all_to_all_single`:
 Two layouts:
 - static capacity: the caller's slot table [E * C] (token id or -1 per slot, as in a
   static-capacity MoE); every rank sends C rows per expert, padding included (fixed split sizes).
+  Every rank must have the same C: a small all_reduce checks it, and the tables' shapes, and
+  raises the same ValueError on every rank otherwise.
 - dropless: every (token, expert) choice is sent; split sizes come from an all_to_all of per-expert
   counts first.
 
