@@ -10,10 +10,11 @@
 // --calibrate: one thread, thread CPU time (robust to a loaded machine), every strategy over a
 // grid of D x N/K x dtype x index distribution; prints, per shape, each strategy's time, the best,
 // the cost model's pick and how much slower the pick is than the best (the measurements behind
-// policy.h), then the worst picks.
+// policy.h), then the worst picks. With --threads T (T > 1) before it: the same grid on T threads,
+// the least wall time of a few calls, scored against the pick for T threads (choose_add).
 //   .build/release/benchmarks/bench_scatter_add [--quick] [--threads T] [--n N] [--d D] [--thp]
 //   .build/release/benchmarks/bench_scatter_add --strategies [--threads T]
-//   .build/release/benchmarks/bench_scatter_add --calibrate [FILE.csv]    (measure; save)
+//   .build/release/benchmarks/bench_scatter_add [--threads T] --calibrate [FILE.csv]  (measure; save)
 //   .build/release/benchmarks/bench_scatter_add --evaluate FILE.csv      (re-score the cost model)
 //   .build/release/benchmarks/bench_scatter_add --fit FILE.csv...         (search its constants)
 //   .build/release/benchmarks/bench_scatter_add --matmul [--threads T]  (small_matmul, _nn)
@@ -229,6 +230,7 @@ struct CalRow {
   std::string dtype, dist;
   int64_t n, k, d;
   double t[4];  // [1..3]: direct, count, radix
+  int threads = 1;
 };
 
 // Prints each shape's times, the best strategy, the cost model's pick and its regret (pick / best),
@@ -241,9 +243,9 @@ void report_regret(const std::vector<CalRow>& rows) {
   for (const CalRow& r : rows) {
     const sa::DType dt = r.dtype == "bfloat16" ? sa::DType::bf16 : sa::DType::f32;
     const int best = static_cast<int>(std::min_element(r.t + 1, r.t + 4) - r.t);
-    sa::Options one;  // the calibration's times are one thread's
-    one.num_threads = 1;
-    const sa::Strategy pick = sa::cpu::choose_add({r.n, r.k, r.d, dt}, one);
+    sa::Options as_timed;  // the threads the calibration's times were taken on
+    as_timed.num_threads = r.threads;
+    const sa::Strategy pick = sa::cpu::choose_add({r.n, r.k, r.d, dt}, as_timed);
     const double regret = r.t[static_cast<int>(pick)] / r.t[best];
     char line[256];
     std::snprintf(line, sizeof line, "%-8s %-7s %8lld %8lld %5lld | %10.1f %10.1f %10.1f | %-6s %-6s %5.2fx",
@@ -261,10 +263,29 @@ void report_regret(const std::vector<CalRow>& rows) {
 }
 
 // Measures every strategy over the grid (one thread, thread CPU time); writes `csv` if given.
-void calibrate(const char* csv) {
-  sa::set_num_threads(1);
-  std::printf("calibration: 1 thread, thread CPU time, isa=%s, us per call; 'regret' = pick / best\n",
-              sa::isa_name(sa::active_isa()));
+// Least wall time of a few calls after a warm-up (at least 5, more while under 50 ms).
+template <class F>
+double wall_best(F&& f) {
+  f();
+  double best = 1e30, spent = 0;
+  for (int i = 0; i < 5 || (spent < 0.05 && i < 20); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, t);
+    spent += t;
+  }
+  return best;
+}
+
+void calibrate(const char* csv, int threads) {
+  sa::set_num_threads(threads);
+  if (threads == 1)
+    std::printf("calibration: 1 thread, thread CPU time, isa=%s, us per call; 'regret' = pick / best\n",
+                sa::isa_name(sa::active_isa()));
+  else
+    std::printf("calibration: %d threads, least wall time, isa=%s, us per call; 'regret' = pick / best\n", threads,
+                sa::isa_name(sa::active_isa()));
   const int64_t max_bytes = int64_t(16) << 20;
   std::mt19937_64 rng(3);
   std::vector<CalRow> rows;
@@ -282,12 +303,13 @@ void calibrate(const char* csv) {
           const sa::IndexVector iv{idx.data(), k, sa::IndexType::i32};
           const sa::Matrix om{out.p, n, d, d, dt};
           const sa::ConstMatrix sm{src.p, k, d, d, dt};
-          CalRow row{sa::dtype_name(dt), dist, n, k, d, {0, 0, 0, 0}};
+          CalRow row{sa::dtype_name(dt), dist, n, k, d, {0, 0, 0, 0}, threads};
           for (int s = 1; s < 4; ++s) {
             sa::Options o;
-            o.num_threads = 1;
+            o.num_threads = threads;
             o.strategy = static_cast<sa::Strategy>(s);
-            row.t[s] = cpu_best([&] { sa::index_add_rows(om, iv, sm, {}, o); });
+            const auto call = [&] { sa::index_add_rows(om, iv, sm, {}, o); };
+            row.t[s] = threads == 1 ? cpu_best(call) : wall_best(call);
           }
           rows.push_back(row);
           std::fprintf(stderr, "\r%zu/140 shapes", rows.size());
@@ -296,8 +318,9 @@ void calibrate(const char* csv) {
   if (csv != nullptr) {
     FILE* f = std::fopen(csv, "w");
     for (const CalRow& r : rows)
-      std::fprintf(f, "%s,%s,%lld,%lld,%lld,%.9g,%.9g,%.9g\n", r.dtype.c_str(), r.dist.c_str(), (long long)r.n,
-                   (long long)r.k, (long long)r.d, r.t[1], r.t[2], r.t[3]);
+      std::fprintf(f, "%s,%s,%lld,%lld,%lld,%.9g,%.9g,%.9g%s\n", r.dtype.c_str(), r.dist.c_str(), (long long)r.n,
+                   (long long)r.k, (long long)r.d, r.t[1], r.t[2], r.t[3],
+                   r.threads == 1 ? "" : (",threads=" + std::to_string(r.threads)).c_str());
     std::fclose(f);
   }
   report_regret(rows);
@@ -310,11 +333,15 @@ std::vector<CalRow> read_calibration(const char* csv) {
     std::fprintf(stderr, "cannot read %s\n", csv);
     std::exit(1);
   }
-  char dt[32], dist[32];
+  char line[512], dt[32], dist[32];
   long long n, k, d;
   double a, b, c;
-  while (std::fscanf(f, "%31[^,],%31[^,],%lld,%lld,%lld,%lf,%lf,%lf\n", dt, dist, &n, &k, &d, &a, &b, &c) == 8)
-    rows.push_back({dt, dist, n, k, d, {0, a, b, c}});
+  int threads;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    const int got = std::sscanf(line, "%31[^,],%31[^,],%lld,%lld,%lld,%lf,%lf,%lf,threads=%d", dt, dist, &n, &k, &d, &a,
+                                &b, &c, &threads);
+    if (got >= 8) rows.push_back({dt, dist, n, k, d, {0, a, b, c}, got == 9 ? threads : 1});
+  }
   std::fclose(f);
   return rows;
 }
@@ -322,15 +349,18 @@ std::vector<CalRow> read_calibration(const char* csv) {
 // Re-scores a saved calibration against the cost model as built now.
 void evaluate(const char* csv) { report_regret(read_calibration(csv)); }
 
-// Mean log regret of model m's one-thread picks over a calibration.
+// Mean log regret of model m's one-thread picks over a calibration's one-thread rows.
 double log_regret(const std::vector<CalRow>& rows, const sa::cpu::CostModel& m) {
   double lg = 0;
+  size_t counted = 0;
   for (const CalRow& r : rows) {
+    if (r.threads != 1) continue;  // the threads' terms are not the model's constants
+    ++counted;
     const sa::DType dt = r.dtype == "bfloat16" ? sa::DType::bf16 : sa::DType::f32;
     const double best = *std::min_element(r.t + 1, r.t + 4);
     lg += std::log(r.t[static_cast<int>(sa::cpu::cheapest_add({r.n, r.k, r.d, dt}, m))] / best);
   }
-  return lg / static_cast<double>(std::max<size_t>(rows.size(), 1));
+  return lg / static_cast<double>(std::max<size_t>(counted, 1));
 }
 
 // Searches the cost model's constants for the least regret over several calibrations (each
@@ -527,19 +557,23 @@ void random_rows_table(int threads) {
 int main(int argc, char** argv) {
   bool quick = false;
   int threads = sa::get_num_threads();
+  bool threads_given = false;
   int64_t only_n = 0, only_d = 0;
   bool thp = false, strategies = false, matmul = false, random_rows = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     if (!std::strcmp(argv[i], "--thp")) thp = true;
-    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) threads = std::atoi(argv[++i]);
+    if (!std::strcmp(argv[i], "--threads") && i + 1 < argc) {
+      threads = std::max(1, std::atoi(argv[++i]));
+      threads_given = true;
+    }
     if (!std::strcmp(argv[i], "--n") && i + 1 < argc) only_n = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--d") && i + 1 < argc) only_d = std::atoll(argv[++i]);
     if (!std::strcmp(argv[i], "--strategies")) strategies = true;
     if (!std::strcmp(argv[i], "--matmul")) matmul = true;
     if (!std::strcmp(argv[i], "--random-rows")) random_rows = true;
     if (!std::strcmp(argv[i], "--calibrate")) {
-      calibrate(i + 1 < argc ? argv[i + 1] : nullptr);
+      calibrate(i + 1 < argc ? argv[i + 1] : nullptr, threads_given ? threads : 1);
       return 0;
     }
     if (!std::strcmp(argv[i], "--evaluate") && i + 1 < argc) {
