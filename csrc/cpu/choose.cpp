@@ -309,24 +309,30 @@ bool direct_deals(const AddShape& s, int nt) {
 
 bool direct_compacts(const AddShape& s) {
   const double row_bytes = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype));
+  const double min_out = row_bytes >= static_cast<double>(P::kCompactWideRowBytes) ? P::kCompactWideMinOutBytes
+                                                                                  : P::kCompactMinOutBytes;
   return row_bytes >= static_cast<double>(P::kCompactMinRowBytes) &&
-         row_bytes <= static_cast<double>(P::kCompactMaxRowBytes) &&
-         static_cast<double>(s.n) * row_bytes >= static_cast<double>(P::kCompactMinOutBytes);
+         row_bytes <= static_cast<double>(P::kCompactMaxRowBytes) && static_cast<double>(s.n) * row_bytes >= min_out;
 }
 
 bool direct_row_split_pays(const AddShape& s, int nt) {
   const double per_entry = estimate_ns(s, Strategy::direct) / static_cast<double>(std::max<int64_t>(s.k, 1));
+  // Where the index names each row many times, the rows' work that a split divides is small
+  // beside the source rows and the index that every thread reads (CpuPolicy::kRowSplitMaxLoad).
+  const double load = static_cast<double>(s.k) / static_cast<double>(std::max<int64_t>(s.n, 1));
   if (dtype_size(s.dtype) >= 4 && direct_compacts(s))  // each thread walks only its own entries
-    return per_entry * (nt - 1) / nt > P::kCompactNsPerEntry;
-  // Neither the walk nor the source stream divides: the prefetchers stream every source row into
-  // each thread, its own or not.
-  const double src = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * P::kNsPerByteStream;
+    return load <= P::kRowSplitMaxLoad && per_entry * (nt - 1) / nt > P::kCompactNsPerEntry;
   if (direct_deals(s, nt)) {
     // The AVX-512 levels deal rows of 2 and 4 bytes by vectors (KernelTable::deal).
     const double row_bytes = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype));
     const bool vector = active_isa() >= Isa::avx512 && (row_bytes == 2.0 || row_bytes == 4.0);
     return per_entry * (nt - 1) / nt > (vector ? P::kDealVectorNsPerEntry : P::kDealNsPerEntry);
   }
+  // Neither the walk nor the source stream divides: the prefetchers stream every source row into
+  // each thread, its own or not. Where the index names few rows the call is mostly its passes
+  // over out (CpuPolicy::kRowSplitMinLoad).
+  if (load > P::kRowSplitMaxLoad || load < P::kRowSplitMinLoad) return false;
+  const double src = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype)) * P::kNsPerByteStream;
   return (per_entry - P::kDirectNsPerEntry - src) * (nt - 1) > P::kRowSplitSkipNs;
 }
 

@@ -270,6 +270,27 @@ struct CpuPolicy {
   // one thread and 7.8-8.7 ms on two (about 5.5 ns more per entry, half of them mispredicted);
   // N = 10k, K = 10k, D = 8 float32 36-57 us and 94-96 us.
   static constexpr double kRowSplitSkipNs = 11.0;
+  // A row split that does not deal its entries has every thread read the whole index (twice where
+  // it compacts them) and, unless it compacts, stream every source row. Where the index names each
+  // row more than kRowSplitMaxLoad times on average, the rows' work it divides is small beside
+  // that; where it names fewer than kRowSplitMinLoad (a split that neither deals nor compacts),
+  // the call is mostly its passes over out. Zen 5 EPYC, two threads, `bench_scatter_add --threads
+  // 2 --calibrate` (140 shapes, least wall time of each strategy forced), the direct walk on two
+  // threads against one thread's CPU time: K / N = 10, float32 D = 64 1.25-1.92x the time, bf16
+  // D = 64 2.25-2.31x, bf16 D = 256 1.37-1.49x; K / N = 1 0.54-1.02x (float32 D = 64 zipf 1.54x);
+  // 0.1 0.57-0.97x; 0.01 1.04-1.43x (calls of 4 to 90 us). The regret of the grid's two-thread picks: 1.070-1.072x in three runs
+  // before, 1.034-1.040x after (with kCompactWideMinOutBytes); worst 2.66-2.71x (float32 D = 64
+  // N = 6553 K = 65536 zipf, the direct walk split where the plan took 0.38x its time) before,
+  // 1.70-1.82x after (N = 655 K = 65536, N = 26214 K = 262144, where the plan on two threads beats
+  // the direct walk on one by more than the one-thread model prices). Through the C++ API, two
+  // threads, the pick's time, three rounds alternating the builds, least of each: float32 D = 64,
+  // N = 16384 (4 MiB out), K / N = 1.5 to 8: 0.46-0.87x of the time before; N = 4096 to 114688,
+  // K = 8 N: 0.47-0.79x; bf16 D = 64 K = 8 N, N = 65536 and 196608, 0.48-0.83x (N = 8192, a plan
+  // either way, 1.00x); rows of 16 and 32 float32 columns 0.92-1.09x (and one 1.23x, N = K =
+  // 458752 D = 16 zipf, that four more alternated rounds put at 1.01x). Splits that deal (bf16 rows of 8 and 32 bytes) still paid at K / N = 3 to 8
+  // (not splitting took 1.09-1.83x the time), so this does not apply to them.
+  static constexpr double kRowSplitMinLoad = 0.05;
+  static constexpr double kRowSplitMaxLoad = 2.0;
   // bf16/fp16 on two threads, rows of at most kDealMaxRowBytes: a row split first deals the
   // entries out to their rows' threads (direct_deals), as copies of at most kDealMaxBytes (kept
   // between calls like the scratch, in a buffer of two positions per entry, of which a call
@@ -325,6 +346,15 @@ struct CpuPolicy {
   static constexpr int64_t kCompactMinRowBytes = 64;
   static constexpr int64_t kCompactMaxRowBytes = 512;
   static constexpr int64_t kCompactMinOutBytes = 32 << 20;
+  // Rows of kCompactWideRowBytes or more compact from an out of kCompactWideMinOutBytes, which
+  // the caches may hold: Zen 5 EPYC, two threads, the C++ API, the pick's time, builds
+  // alternated (three rounds, least of each), against the split that skips the other's entries one
+  // by one, K = N: float32 D = 64 N = 4096 0.74-0.75x, 16384 0.87-0.94x, 65536 0.74-0.81x, 114688
+  // 0.78-0.83x; D = 128 N = 2048 0.56-0.65x, 8192 0.84-0.89x, 32768 0.67-0.73x, 57344 0.68-0.76x.
+  // Narrower rows into such outs were mixed (float32 D = 32 N = 131072 K = 8 N 1.6x slower, D = 16
+  // N = 65536 K = 8 N 1.4x slower; K = N 0.46-1.28x), so they keep kCompactMinOutBytes.
+  static constexpr int64_t kCompactWideRowBytes = 256;
+  static constexpr double kCompactWideMinOutBytes = 1 << 20;
   // What compacting costs a thread per entry (a second read of the index, a store per entry):
   // direct_row_split_pays weighs it against the walk it divides, so rows of 64 and 128 bytes, which
   // one thread walked alone on two threads, split too. Zen 5 EPYC, two builds ABBA (two sets of 3

@@ -209,11 +209,12 @@ TEST(Strategies, DirectRowSplitGivesTheContractBits) {
   EXPECT_FALSE(sa::cpu::direct_row_split_pays({100000, 1000000, 1, DType::f32}, 2));
 }
 
-// A row split over rows of 64 to 512 bytes into an out larger than the caches compacts each block
-// of entries to the thread's own before it adds them: float32/float64 rows, and bf16/fp16 rows
-// where no row repeats (added in place), with ignored entries (the ignore value outside every
-// thread's rows, and inside the last's), weights, both index types, a K that leaves a part block,
-// strided rows, at two and three threads, against the reference.
+// A row split over rows of 64 to 512 bytes into an out larger than the caches (rows of 256 bytes
+// and more: from 1 MiB) compacts each block of entries to the thread's own before it adds them:
+// float32/float64 rows, and bf16/fp16 rows where no row repeats (added in place), with ignored
+// entries (the ignore value outside every thread's rows, and inside the last's), weights, both
+// index types, a K that leaves a part block, strided rows, at two and three threads, against the
+// reference.
 TEST(Strategies, DirectRowSplitCompactedGivesTheContractBits) {
   using P = sa::cpu::CpuPolicy;
   uint64_t seed = 900;
@@ -227,18 +228,20 @@ TEST(Strategies, DirectRowSplitCompactedGivesTheContractBits) {
     bool weighted, ignore_inside;
   };
   const Case cases[] = {{IndexType::i32, false, false}, {IndexType::i64, true, true}};
-  for (const Shape sh : {Shape{6001, 64, false, 2}, Shape{20000, 16, false, 2}, Shape{20000, 32, true, 3}})
+  for (const Shape sh : {Shape{6001, 64, false, 2}, Shape{20000, 16, false, 2}, Shape{30000, 32, true, 3}})
     for (DType t : kDtypes) {
       const int64_t k = sh.k, d = sh.d, row_bytes = d * static_cast<int64_t>(sa::dtype_size(t));
       if (row_bytes < P::kCompactMinRowBytes || row_bytes > P::kCompactMaxRowBytes) continue;
       if (sa::dtype_size(t) == 2 && !sh.distinct) continue;  // repeated rows: a float32 scratch
-      const int64_t n = P::kCompactMinOutBytes / row_bytes + 1000;
+      const double min_out = row_bytes >= P::kCompactWideRowBytes ? P::kCompactWideMinOutBytes : P::kCompactMinOutBytes;
+      // at least K rows: distinct rows, and rows named at most kRowSplitMaxLoad times
+      const int64_t n = std::max(static_cast<int64_t>(min_out) / row_bytes, k) + 1000;
       ASSERT_TRUE(sa::cpu::direct_compacts({n, k, d, t}));
       for (const Case c : cases) {
         const int64_t ignore = c.ignore_inside ? n - 3 : -1;
         const int64_t os = c.weighted ? d + 3 : d, ss = c.weighted ? d : d + 5;
         std::mt19937_64 rng(seed++);
-        Buf out0(t, static_cast<size_t>(n * os));  // 32 MiB and more: a special tile repeated
+        Buf out0(t, static_cast<size_t>(n * os));  // up to 32 MiB and more: a special tile repeated
         const Buf tile = special_buf(t, size_t(1) << 16, rng);
         for (size_t at = 0; at < out0.bytes.size(); at += tile.bytes.size())
           std::memcpy(out0.bytes.data() + at, tile.bytes.data(), std::min(tile.bytes.size(), out0.bytes.size() - at));
@@ -1192,7 +1195,9 @@ TEST(StrategyChoice, ACompactedRowSplitPaysForNarrowerRows) {
   for (DType t : {DType::f32, DType::f64})
     for (int64_t d : {int64_t(16), int64_t(32)}) {
       const int64_t row_bytes = d * static_cast<int64_t>(sa::dtype_size(t));
-      const int64_t big = P::kCompactMinOutBytes / row_bytes, small = big / 4;
+      const int64_t big = P::kCompactMinOutBytes / row_bytes;
+      const int64_t small = row_bytes >= P::kCompactWideRowBytes ? static_cast<int64_t>(P::kCompactWideMinOutBytes) / row_bytes / 2
+                                                                 : big / 4;
       const sa::cpu::AddShape large{big, big, d, t}, cached{small, small, d, t};
       ASSERT_TRUE(sa::cpu::direct_compacts(large)) << sa::dtype_name(t) << " D=" << d;
       ASSERT_FALSE(sa::cpu::direct_compacts(cached));
@@ -1203,6 +1208,53 @@ TEST(StrategyChoice, ACompactedRowSplitPaysForNarrowerRows) {
     }
   EXPECT_FALSE(sa::cpu::direct_compacts({1 << 20, 1 << 20, 8, DType::f32}));    // rows of 32 bytes
   EXPECT_FALSE(sa::cpu::direct_compacts({1 << 16, 1 << 16, 256, DType::f32}));  // rows of 1 KiB
+}
+
+// Rows of 256 and 512 bytes compact from an out of 1 MiB, where the caches hold it: float32 D = 64
+// and 128 into 4096 to 114688 rows took 0.56x to 0.83x of the time of a split skipping the other
+// thread's entries one by one (policy.h, kCompactWideMinOutBytes).
+TEST(StrategyChoice, WideRowsCompactFromASmallerOut) {
+  using P = sa::cpu::CpuPolicy;
+  sa::Options two;
+  two.num_threads = 2;
+  for (DType t : {DType::f32, DType::f64})
+    for (int64_t row_bytes : {P::kCompactWideRowBytes, P::kCompactMaxRowBytes}) {
+      const int64_t d = row_bytes / static_cast<int64_t>(sa::dtype_size(t));
+      const int64_t n = static_cast<int64_t>(P::kCompactWideMinOutBytes) / row_bytes;
+      EXPECT_TRUE(sa::cpu::direct_compacts({n, n, d, t})) << sa::dtype_name(t) << " D=" << d;
+      EXPECT_FALSE(sa::cpu::direct_compacts({n - 1, n - 1, d, t})) << sa::dtype_name(t) << " D=" << d;
+      EXPECT_TRUE(sa::cpu::direct_split({4 * n, 4 * n, d, t}, two, false).rows) << sa::dtype_name(t) << " D=" << d;
+    }
+  // Narrower rows keep the larger out.
+  const int64_t n128 = static_cast<int64_t>(P::kCompactWideMinOutBytes) / 128 * 4;
+  EXPECT_FALSE(sa::cpu::direct_compacts({n128, n128, 32, DType::f32}));
+}
+
+// An index that names each row more than kRowSplitMaxLoad times on average leaves a walk that does
+// not deal its entries to one thread, compacted or not, where the threads' source streams outweigh
+// the rows' work they divide (float32 D = 64, K = 8 N: a two-thread split took 1.3x to 2.2x the
+// time of the plan walk on two threads); and so does one that names fewer than kRowSplitMinLoad
+// (the passes over out then outweigh the walk). A split that deals its entries keeps splitting.
+TEST(StrategyChoice, ARowSplitNeedsRowsNamedNeitherTooOftenNorTooRarely) {
+  using P = sa::cpu::CpuPolicy;
+  sa::Options two;
+  two.num_threads = 2;
+  const int64_t n = 65536;  // 16 MiB of float32 rows of 64 columns: compacted
+  const int64_t over = static_cast<int64_t>(n * P::kRowSplitMaxLoad) + n / 2;
+  ASSERT_TRUE(sa::cpu::direct_compacts({n, n, 64, DType::f32}));
+  EXPECT_TRUE(sa::cpu::direct_split({n, n, 64, DType::f32}, two, false).rows);
+  EXPECT_FALSE(sa::cpu::direct_split({n, over, 64, DType::f32}, two, false).rows);
+  EXPECT_EQ(sa::cpu::direct_split({n, over, 64, DType::f32}, two, false).threads, 1);
+  EXPECT_EQ(sa::cpu::choose_add({n, 8 * n, 64, DType::f32}, two), sa::Strategy::count);
+  // bf16 rows of 128 bytes, summed in a scratch: every thread walks the whole index.
+  ASSERT_FALSE(sa::cpu::direct_deals({n, n, 64, DType::bf16}, 2));
+  EXPECT_TRUE(sa::cpu::direct_split({n, n, 64, DType::bf16}, two, false).rows);
+  EXPECT_FALSE(sa::cpu::direct_split({n, over, 64, DType::bf16}, two, false).rows);
+  const int64_t under = static_cast<int64_t>(n * P::kRowSplitMinLoad) / 2;
+  EXPECT_FALSE(sa::cpu::direct_split({n, under, 64, DType::bf16}, two, false).rows);
+  // bf16 rows of 8 bytes dealt out: the split stays at K = 3 N.
+  ASSERT_TRUE(sa::cpu::direct_deals({100000, 300000, 4, DType::bf16}, 2));
+  EXPECT_TRUE(sa::cpu::direct_split({100000, 300000, 4, DType::bf16}, two, false).rows);
 }
 
 // Run by its own CTest entry with SCATTER_ADD_CPU_STRATEGY=bogus (filtered out elsewhere).
