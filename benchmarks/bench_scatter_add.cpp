@@ -406,9 +406,14 @@ void fit(const std::vector<const char*>& files) {
   for (const sa::cpu::CostTerm& t : sa::cpu::cost_terms())
     if (best.*t.value != start.*t.value)
       std::printf("  %-26s %10.4g -> %.4g\n", t.name, start.*t.value, best.*t.value);
-  for (size_t i = 0; i < files.size(); ++i)
-    std::printf("  %s: geometric-mean regret %.3fx -> %.3fx\n", files[i], std::exp(log_regret(sets[i], start)),
-                std::exp(log_regret(sets[i], best)));
+  for (size_t i = 0; i < files.size(); ++i) {
+    const bool one_thread = std::any_of(sets[i].begin(), sets[i].end(), [](const CalRow& r) { return r.threads == 1; });
+    if (!one_thread)
+      std::printf("  %s: no one-thread rows, not fitted (--evaluate scores its picks)\n", files[i]);
+    else
+      std::printf("  %s: geometric-mean regret %.3fx -> %.3fx\n", files[i], std::exp(log_regret(sets[i], start)),
+                  std::exp(log_regret(sets[i], best)));
+  }
 }
 
 void matmul_table(int threads) {

@@ -278,8 +278,10 @@ struct CpuPolicy {
   // 2 --calibrate` (140 shapes, least wall time of each strategy forced), the direct walk on two
   // threads against one thread's CPU time: K / N = 10, float32 D = 64 1.25-1.92x the time, bf16
   // D = 64 2.25-2.31x, bf16 D = 256 1.37-1.49x; K / N = 1 0.54-1.02x (float32 D = 64 zipf 1.54x);
-  // 0.1 0.57-0.97x; 0.01 1.04-1.43x (calls of 4 to 90 us). The regret of the grid's two-thread picks: 1.070-1.072x in three runs
-  // before, 1.034-1.040x after (with kCompactWideMinOutBytes); worst 2.66-2.71x (float32 D = 64
+  // 0.1 0.57-0.97x; 0.01 1.04-1.43x (calls of 4 to 90 us). The one-thread times are
+  // benchmarks/cpu_calibration_zen5.csv. The regret of the grid's two-thread picks: 1.070-1.072x
+  // in three runs before, 1.034-1.040x after (with kCompactWideMinOutBytes; a run after is
+  // benchmarks/cpu_calibration_zen5_2t.csv, for --evaluate); worst 2.66-2.71x (float32 D = 64
   // N = 6553 K = 65536 zipf, the direct walk split where the plan took 0.38x its time) before,
   // 1.70-1.82x after (N = 655 K = 65536, N = 26214 K = 262144, where the plan on two threads beats
   // the direct walk on one by more than the one-thread model prices). Through the C++ API, two
