@@ -289,8 +289,9 @@ struct CpuPolicy {
   // N = 16384 (4 MiB out), K / N = 1.5 to 8: 0.46-0.87x of the time before; N = 4096 to 114688,
   // K = 8 N: 0.47-0.79x; bf16 D = 64 K = 8 N, N = 65536 and 196608, 0.48-0.83x (N = 8192, a plan
   // either way, 1.00x); rows of 16 and 32 float32 columns 0.92-1.09x (and one 1.23x, N = K =
-  // 458752 D = 16 zipf, that four more alternated rounds put at 1.01x). Splits that deal (bf16 rows of 8 and 32 bytes) still paid at K / N = 3 to 8
-  // (not splitting took 1.09-1.83x the time), so this does not apply to them.
+  // 458752 D = 16 zipf, that four more alternated rounds put at 1.01x). Splits that deal (bf16
+  // rows of 8 and 32 bytes) still paid at K / N = 3 to 8 (not splitting took 1.09-1.83x the
+  // time), so kRowSplitMaxLoad does not apply to them.
   static constexpr double kRowSplitMinLoad = 0.05;
   static constexpr double kRowSplitMaxLoad = 2.0;
   // bf16/fp16 on two threads, rows of at most kDealMaxRowBytes: a row split first deals the
