@@ -87,6 +87,15 @@ struct CpuPolicy {
   // The same for the direct walk's float32 scratch, its snapshot and its row marks and bitmaps
   // (one column of 2M bf16 rows, or 32 columns of 64k rows).
   static constexpr int64_t kKeptScratchBytes = 32 << 20;
+  // Buffers of this size and more are mapped in huge pages where the system allows (big_alloc.h):
+  // a scratch larger than kKeptScratchBytes is new memory on every call, which the kernel faulted
+  // in 4 KiB at a time. Zen 5 EPYC (transparent huge pages on "madvise"), the C++ API, the pick on
+  // two threads, two rounds alternating the builds, bf16 uniform unless named: N = K = 786432
+  // D = 16 20.2-20.7 -> 8.8-10.1 ms, N = K = 1M D = 16 26.6-27.1 -> 15.0-17.8 ms, D = 8 zipf
+  // 20.5-20.8 -> 11.2-13.1 ms, N = K = 3M D = 4 46.5-47.7 -> 36.0-38.1 ms, N = K = 2M D = 8
+  // 56.7-57.0 -> 47.2-54.8 ms; the direct walk forced on N = K = 65536 D = 256 (a 64 MiB
+  // scratch), one thread, 32.3 -> 12.2 ms. What stays is the kernel zeroing each new page.
+  static constexpr int64_t kHugePagesFromBytes = 4 << 20;
   // bf16/fp16, a slot per row: rows of up to this many columns find the rows to write back by
   // comparing the scratch with a snapshot rather than by marking rows as they are added. K = 1M,
   // one thread, thread CPU time, marks -> snapshot: D = 1 N = 100k 5.0-5.1 -> 2.5 ms, N = 300k

@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "big_alloc.h"
 #include "dispatch.h"
 #include "parallel.h"
 #include "policy.h"
@@ -69,7 +70,7 @@ class Kept {
   T* get(size_t n) {
     if (n > size_) {
       release();
-      data_.reset(new T[n]);
+      data_.reset(static_cast<T*>(big_alloc(n * sizeof(T))));
       size_ = n;
     }
     return data_.get();
@@ -86,7 +87,10 @@ class Kept {
   }
 
  private:
-  std::unique_ptr<T[]> data_;
+  struct Free {
+    void operator()(T* p) const { big_free(p); }
+  };
+  std::unique_ptr<T[], Free> data_;
   size_t size_ = 0;
 };
 

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "big_alloc.h"
 #include "dispatch.h"
 #include "policy.h"
 #include "strategy.h"
@@ -1208,6 +1209,40 @@ TEST(StrategyChoice, ACompactedRowSplitPaysForNarrowerRows) {
     }
   EXPECT_FALSE(sa::cpu::direct_compacts({1 << 20, 1 << 20, 8, DType::f32}));    // rows of 32 bytes
   EXPECT_FALSE(sa::cpu::direct_compacts({1 << 16, 1 << 16, 256, DType::f32}));  // rows of 1 KiB
+}
+
+// Buffers from kHugePagesFromBytes on start on a 2 MiB boundary (what transparent huge pages
+// need) and hold every byte asked for; smaller ones are plain allocations. And a bf16 direct walk
+// whose float32 scratch is larger than a thread keeps (so allocated that way on each call) gives
+// the reference's bits, call after call.
+TEST(Strategies, LargeScratchBuffersAreHugePageAlignedAndGiveTheContractBits) {
+  using P = sa::cpu::CpuPolicy;
+  for (size_t bytes : {size_t(P::kHugePagesFromBytes), size_t(P::kHugePagesFromBytes) + 12345, size_t(1000)}) {
+    char* p = static_cast<char*>(sa::cpu::big_alloc(bytes));
+    if (bytes >= static_cast<size_t>(P::kHugePagesFromBytes))
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % (size_t(2) << 20), 0u) << bytes;
+    std::memset(p, 0x5a, bytes);
+    EXPECT_EQ(p[bytes - 1], 0x5a);
+    sa::cpu::big_free(p);
+  }
+  const int64_t d = 16, n = P::kKeptScratchBytes / (d * 4) + 4096, k = n;  // a dense scratch past the kept size
+  std::mt19937_64 rng(4242);
+  const Buf out0 = special_buf(DType::bf16, static_cast<size_t>(n * d), rng);
+  const Buf src = special_buf(DType::bf16, static_cast<size_t>(k * d), rng);
+  const std::vector<int64_t> iv = make_indices(Pattern::uniform, n, k, rng);
+  const Idx idx = make_idx(IndexType::i32, iv);
+  Buf want = out0;
+  reference_add(want, n, d, d, src, d, iv, nullptr, -1);
+  reference_add(want, n, d, d, src, d, iv, nullptr, -1);
+  for (int threads : {1, 2}) {
+    Buf out = out0;
+    sa::Options o;
+    o.num_threads = threads;
+    o.strategy = sa::Strategy::direct;
+    for (int call = 0; call < 2; ++call)
+      sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d), {nullptr, k, DType::f32}, o);
+    ASSERT_EQ(out.bytes, want.bytes) << "threads=" << threads;
+  }
 }
 
 // Rows of 256 and 512 bytes compact from an out of 1 MiB, where the caches hold it: float32 D = 64
