@@ -4,7 +4,9 @@
 // (where the system's setting is "madvise"; "always" maps them so anyway, "never" not at all).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
@@ -17,6 +19,12 @@
 namespace scatter_add {
 namespace cpu {
 
+// Buffers big_alloc has placed on 2 MiB boundaries, in this process (for tests).
+inline std::atomic<int64_t>& huge_allocations() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
 inline void* big_alloc(size_t bytes) {
   if (bytes == 0) bytes = 1;
   constexpr size_t kHuge = size_t(2) << 20;
@@ -25,12 +33,14 @@ inline void* big_alloc(size_t bytes) {
     if (p == nullptr) throw std::bad_alloc();
     return p;
   }
+  if (bytes > SIZE_MAX - kHuge) throw std::bad_alloc();  // the rounding below would wrap
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
   void* p = std::aligned_alloc(kHuge, rounded);
   if (p == nullptr) throw std::bad_alloc();
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   madvise(p, rounded, MADV_HUGEPAGE);  // advice only: a refusal leaves 4 KiB pages
 #endif
+  huge_allocations().fetch_add(1, std::memory_order_relaxed);
   return p;
 }
 

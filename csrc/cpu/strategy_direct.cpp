@@ -70,6 +70,7 @@ class Kept {
   T* get(size_t n) {
     if (n > size_) {
       release();
+      if (n > SIZE_MAX / sizeof(T)) throw std::bad_alloc();
       data_.reset(static_cast<T*>(big_alloc(n * sizeof(T))));
       size_ = n;
     }

@@ -259,9 +259,10 @@ TEST(Strategies, DirectRowSplitCompactedGivesTheContractBits) {
         for (int threads : {2, 3}) {
           sa::Options o;
           o.num_threads = threads;
-          if (threads >= sh.split_from)
+          if (threads >= sh.split_from) {
             ASSERT_TRUE(sa::cpu::direct_split({n, k, d, t}, o, false).rows)
                 << sa::dtype_name(t) << " D=" << d << " threads=" << threads;
+          }
           Buf out = out0;
           o.strategy = sa::Strategy::direct;
           o.ignore_index = ignore;
@@ -1205,26 +1206,31 @@ TEST(StrategyChoice, ACompactedRowSplitPaysForNarrowerRows) {
       EXPECT_TRUE(sa::cpu::direct_split(large, two, false).rows) << sa::dtype_name(t) << " D=" << d;
       EXPECT_NEAR(sa::cpu::threaded_ns(large, sa::Strategy::direct, 2),
                   sa::cpu::estimate_ns(large, sa::Strategy::direct) / 2, 1e-9 * sa::cpu::estimate_ns(large, sa::Strategy::direct));
-      if (row_bytes == 64) EXPECT_FALSE(sa::cpu::direct_split(cached, two, false).rows) << sa::dtype_name(t);
+      if (row_bytes == 64) {
+        EXPECT_FALSE(sa::cpu::direct_split(cached, two, false).rows) << sa::dtype_name(t);
+      }
     }
   EXPECT_FALSE(sa::cpu::direct_compacts({1 << 20, 1 << 20, 8, DType::f32}));    // rows of 32 bytes
   EXPECT_FALSE(sa::cpu::direct_compacts({1 << 16, 1 << 16, 256, DType::f32}));  // rows of 1 KiB
 }
 
 // Buffers from kHugePagesFromBytes on start on a 2 MiB boundary (what transparent huge pages
-// need) and hold every byte asked for; smaller ones are plain allocations. And a bf16 direct walk
-// whose float32 scratch is larger than a thread keeps (so allocated that way on each call) gives
-// the reference's bits, call after call.
+// need) and hold every byte asked for; smaller ones are plain allocations; a size the rounding
+// would wrap is refused. And a bf16 direct walk whose float32 scratch is larger than a thread
+// keeps is allocated that way on each call and gives the reference's bits, call after call.
 TEST(Strategies, LargeScratchBuffersAreHugePageAlignedAndGiveTheContractBits) {
   using P = sa::cpu::CpuPolicy;
   for (size_t bytes : {size_t(P::kHugePagesFromBytes), size_t(P::kHugePagesFromBytes) + 12345, size_t(1000)}) {
     char* p = static_cast<char*>(sa::cpu::big_alloc(bytes));
-    if (bytes >= static_cast<size_t>(P::kHugePagesFromBytes))
+    if (bytes >= static_cast<size_t>(P::kHugePagesFromBytes)) {
       EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % (size_t(2) << 20), 0u) << bytes;
+    }
     std::memset(p, 0x5a, bytes);
     EXPECT_EQ(p[bytes - 1], 0x5a);
     sa::cpu::big_free(p);
   }
+  EXPECT_THROW(sa::cpu::big_alloc(SIZE_MAX), std::bad_alloc);
+  EXPECT_THROW(sa::cpu::big_alloc(SIZE_MAX - (size_t(1) << 20)), std::bad_alloc);
   const int64_t d = 16, n = P::kKeptScratchBytes / (d * 4) + 4096, k = n;  // a dense scratch past the kept size
   std::mt19937_64 rng(4242);
   const Buf out0 = special_buf(DType::bf16, static_cast<size_t>(n * d), rng);
@@ -1239,8 +1245,10 @@ TEST(Strategies, LargeScratchBuffersAreHugePageAlignedAndGiveTheContractBits) {
     sa::Options o;
     o.num_threads = threads;
     o.strategy = sa::Strategy::direct;
+    const int64_t huge_before = sa::cpu::huge_allocations().load();
     for (int call = 0; call < 2; ++call)
       sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d), {nullptr, k, DType::f32}, o);
+    EXPECT_GE(sa::cpu::huge_allocations().load() - huge_before, 2) << "threads=" << threads;  // a scratch a call
     ASSERT_EQ(out.bytes, want.bytes) << "threads=" << threads;
   }
 }
