@@ -338,9 +338,15 @@ std::vector<CalRow> read_calibration(const char* csv) {
   double a, b, c;
   int threads;
   while (std::fgets(line, sizeof line, f) != nullptr) {
-    const int got = std::sscanf(line, "%31[^,],%31[^,],%lld,%lld,%lld,%lf,%lf,%lf,threads=%d", dt, dist, &n, &k, &d, &a,
+    int got = std::sscanf(line, "%31[^,],%31[^,],%lld,%lld,%lld,%lf,%lf,%lf,threads=%d", dt, dist, &n, &k, &d, &a,
                                 &b, &c, &threads);
-    if (got >= 8) rows.push_back({dt, dist, n, k, d, {0, a, b, c}, got == 9 ? threads : 1});
+    if (got < 8) continue;
+    if (got == 8 && std::strstr(line, "threads=") != nullptr) got = -1;  // a threads column with no count
+    if (got < 0 || (got == 9 && threads < 1)) {
+      std::fprintf(stderr, "%s: a row with a bad threads column, left out: %s", csv, line);
+      continue;
+    }
+    rows.push_back({dt, dist, n, k, d, {0, a, b, c}, got == 9 ? threads : 1});
   }
   std::fclose(f);
   return rows;
@@ -371,10 +377,15 @@ double log_regret(const std::vector<CalRow>& rows, const sa::cpu::CostModel& m) 
 void fit(const std::vector<const char*>& files) {
   std::vector<std::vector<CalRow>> sets;
   for (const char* f : files) sets.push_back(read_calibration(f));
+  // Each calibration with one-thread rows weighs the same; the others score nothing here.
+  auto has_one_thread = [](const std::vector<CalRow>& rows) {
+    return std::any_of(rows.begin(), rows.end(), [](const CalRow& r) { return r.threads == 1; });
+  };
+  const size_t scored = static_cast<size_t>(std::count_if(sets.begin(), sets.end(), has_one_thread));
   auto score = [&](const sa::cpu::CostModel& m) {
     double s = 0;
     for (const auto& rows : sets) s += log_regret(rows, m);
-    return s / static_cast<double>(sets.size());
+    return s / static_cast<double>(std::max<size_t>(scored, 1));
   };
   const sa::cpu::CostModel start = sa::cpu::policy_cost_model();
   sa::cpu::CostModel best = start;
@@ -407,8 +418,7 @@ void fit(const std::vector<const char*>& files) {
     if (best.*t.value != start.*t.value)
       std::printf("  %-26s %10.4g -> %.4g\n", t.name, start.*t.value, best.*t.value);
   for (size_t i = 0; i < files.size(); ++i) {
-    const bool one_thread = std::any_of(sets[i].begin(), sets[i].end(), [](const CalRow& r) { return r.threads == 1; });
-    if (!one_thread)
+    if (!has_one_thread(sets[i]))
       std::printf("  %s: no one-thread rows, not fitted (--evaluate scores its picks)\n", files[i]);
     else
       std::printf("  %s: geometric-mean regret %.3fx -> %.3fx\n", files[i], std::exp(log_regret(sets[i], start)),

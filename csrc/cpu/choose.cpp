@@ -309,8 +309,9 @@ bool direct_deals(const AddShape& s, int nt) {
 
 bool direct_compacts(const AddShape& s) {
   const double row_bytes = static_cast<double>(s.d) * static_cast<double>(dtype_size(s.dtype));
-  const double min_out = row_bytes >= static_cast<double>(P::kCompactWideRowBytes) ? P::kCompactWideMinOutBytes
-                                                                                  : P::kCompactMinOutBytes;
+  const double min_out = static_cast<double>(row_bytes >= static_cast<double>(P::kCompactWideRowBytes)
+                                                  ? P::kCompactWideMinOutBytes
+                                                  : P::kCompactMinOutBytes);
   return row_bytes >= static_cast<double>(P::kCompactMinRowBytes) &&
          row_bytes <= static_cast<double>(P::kCompactMaxRowBytes) && static_cast<double>(s.n) * row_bytes >= min_out;
 }

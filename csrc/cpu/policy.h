@@ -282,8 +282,8 @@ struct CpuPolicy {
   // A row split that does not deal its entries has every thread read the whole index (twice where
   // it compacts them) and, unless it compacts, stream every source row. Where the index names each
   // row more than kRowSplitMaxLoad times on average, the rows' work it divides is small beside
-  // that; where it names fewer than kRowSplitMinLoad (a split that neither deals nor compacts),
-  // the call is mostly its passes over out. Zen 5 EPYC, two threads, `bench_scatter_add --threads
+  // that; where it names fewer than kRowSplitMinLoad (a split other than a dealt one or a
+  // float32/float64 compacted one), the call is mostly its passes over out. Zen 5 EPYC, two threads, `bench_scatter_add --threads
   // 2 --calibrate` (140 shapes, least wall time of each strategy forced), the direct walk on two
   // threads against one thread's CPU time: K / N = 10, float32 D = 64 1.25-1.92x the time, bf16
   // D = 64 2.25-2.31x, bf16 D = 256 1.37-1.49x; K / N = 1 0.54-1.02x (float32 D = 64 zipf 1.54x);
@@ -366,7 +366,7 @@ struct CpuPolicy {
   // Narrower rows into such outs were mixed (float32 D = 32 N = 131072 K = 8 N 1.6x slower, D = 16
   // N = 65536 K = 8 N 1.4x slower; K = N 0.46-1.28x), so they keep kCompactMinOutBytes.
   static constexpr int64_t kCompactWideRowBytes = 256;
-  static constexpr double kCompactWideMinOutBytes = 1 << 20;
+  static constexpr int64_t kCompactWideMinOutBytes = 1 << 20;
   // What compacting costs a thread per entry (a second read of the index, a store per entry):
   // direct_row_split_pays weighs it against the walk it divides, so rows of 64 and 128 bytes, which
   // one thread walked alone on two threads, split too. Zen 5 EPYC, two builds ABBA (two sets of 3

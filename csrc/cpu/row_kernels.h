@@ -478,7 +478,8 @@ struct RowKernels {
   // A row split's in-place walk (DirectJob::compact): each block of kCompactBlock entries is first
   // compacted to this thread's own (a pass over its index with no branch), which are then added
   // in order, each one's destination and source rows prefetched whole kCompactAhead entries ahead
-  // (out is far larger than the caches where this runs). Skipping the other thread's entries
+  // (out is larger than the caches where this runs, or, for rows of 256 bytes and more, at least
+  // 1 MiB: CpuPolicy::kCompactWideMinOutBytes). Skipping the other thread's entries
   // inside the walk mispredicts a branch for about every other entry, and stalls on rows no
   // prefetch asked for.
   static constexpr int64_t kCompactBlock = 512;

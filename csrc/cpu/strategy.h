@@ -93,11 +93,14 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads);
 // active level deals by vectors): it pays when the walk's estimate per entry E gives
 // E (nt - 1) / nt > that cost. Where the split compacts (direct_compacts) a float32/float64 walk,
 // each thread reads the index once more and skips nothing: E (nt - 1) / nt > kCompactNsPerEntry.
+// Every split but a dealt one also needs K / N of at most CpuPolicy::kRowSplitMaxLoad, and every
+// split but a dealt one or a float32/float64 compacted one at least kRowSplitMinLoad.
 bool direct_row_split_pays(const AddShape& s, int nt);
 // Whether a row split of the direct walk compacts each block of entries to its thread's own before
 // adding them (DirectJob::compact): rows of CpuPolicy::kCompactMinRowBytes to kCompactMaxRowBytes
-// into an out of kCompactMinOutBytes or more. bf16/fp16 rows compact only where they are added in
-// place (no float32 scratch), which the index decides.
+// into an out of kCompactMinOutBytes or more (rows of kCompactWideRowBytes or more: of
+// kCompactWideMinOutBytes or more). bf16/fp16 rows compact only where they are added in place (no
+// float32 scratch), which the index decides.
 bool direct_compacts(const AddShape& s);
 // Whether a row split of the direct walk on nt threads deals the entries out to their rows'
 // threads first (strategy_direct.cpp): bf16/fp16 on two threads, rows of at most
