@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -45,6 +46,23 @@ inline void* big_alloc(size_t bytes) {
 }
 
 inline void big_free(void* p) { std::free(p); }
+
+// Gives an empty vector room for n elements, asking for huge pages for the whole 2 MiB pages of a
+// large new buffer before anything touches it (its start is wherever the allocator puts it).
+template <class T>
+void reserve_huge(std::vector<T>& v, size_t n) {
+  if (n <= v.capacity()) return;
+  v.clear();
+  v.reserve(n);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = n * sizeof(T);
+  if (bytes < static_cast<size_t>(CpuPolicy::kHugePagesFromBytes)) return;
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(v.data()) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(v.data()) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
+#endif
+}
 
 }  // namespace cpu
 }  // namespace scatter_add

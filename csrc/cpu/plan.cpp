@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "big_alloc.h"
 #include "policy.h"
 #include "scatter_add/scatter_add.h"
 #include "strategy.h"
@@ -109,11 +110,13 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
   const bool count_fits = num_rows <= std::max<int64_t>(int64_t(1) << 26, 64 * std::max<int64_t>(kept, 1));
   bool radix = method == Strategy::radix || (method == Strategy::count && !count_fits) ||
                (method != Strategy::count && cpu::plan_prefers_radix(num_rows, kept));
+  cpu::reserve_huge(sources_, static_cast<size_t>(kept));
   sources_.resize(static_cast<size_t>(kept));
 
   if (radix && fits32) {
     // Packed keys (row << 32 | source), sorted on the row bits only: stable, so equal rows keep
     // their sources in increasing order.
+    cpu::reserve_huge(scratch_, 2 * static_cast<size_t>(kept));
     scratch_.resize(2 * static_cast<size_t>(kept));
     uint64_t* a = reinterpret_cast<uint64_t*>(scratch_.data());
     uint64_t* b = a + kept;
@@ -142,6 +145,8 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
     }
     // The rows' starts, with no branch per entry (as the counting sort below).
     const size_t most = static_cast<size_t>(std::min<int64_t>(num_rows, kept));
+    cpu::reserve_huge(rows_, most + 1);
+    cpu::reserve_huge(offsets_, most + 2);
     rows_.resize(most + 1);
     offsets_.resize(most + 2);
     int64_t* rows = rows_.data();
@@ -182,6 +187,8 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
       using C = std::remove_pointer_t<decltype(counts)>;
       visit_index(index, ignore_index, [&](int64_t, int64_t v) { ++counts[v]; });
       const size_t most = static_cast<size_t>(std::min<int64_t>(num_rows, kept));
+      cpu::reserve_huge(rows_, most + 1);
+      cpu::reserve_huge(offsets_, most + 2);
       rows_.resize(most + 1);  // the write past the last touched row lands in bounds
       offsets_.resize(most + 2);
       int64_t* rows = rows_.data();
@@ -202,9 +209,11 @@ void Plan::rebuild(const IndexVector& index, int64_t num_rows, std::optional<int
       visit_index(index, ignore_index, [&](int64_t i, int64_t v) { srcs[counts[v]++] = i; });
     };
     if (kept < (int64_t(1) << 31)) {
+      cpu::reserve_huge(scratch_, static_cast<size_t>(num_rows + 1) / 2);
       scratch_.assign(static_cast<size_t>(num_rows + 1) / 2, 0);
       count_sort(reinterpret_cast<Count32*>(scratch_.data()));
     } else {
+      cpu::reserve_huge(scratch_, static_cast<size_t>(num_rows));
       scratch_.assign(static_cast<size_t>(num_rows), 0);
       count_sort(scratch_.data());
     }

@@ -94,7 +94,11 @@ struct CpuPolicy {
   // D = 16 20.2-20.7 -> 8.8-10.1 ms, N = K = 1M D = 16 26.6-27.1 -> 15.0-17.8 ms, D = 8 zipf
   // 20.5-20.8 -> 11.2-13.1 ms, N = K = 3M D = 4 46.5-47.7 -> 36.0-38.1 ms, N = K = 2M D = 8
   // 56.7-57.0 -> 47.2-54.8 ms; the direct walk forced on N = K = 65536 D = 256 (a 64 MiB
-  // scratch), one thread, 32.3 -> 12.2 ms. What stays is the kernel zeroing each new page.
+  // scratch), one thread, 32.3 -> 12.2 ms. What stays is the kernel zeroing each new page. A
+  // plan's buffers past kKeptPlanBytes ask for huge pages too (reserve_huge): a counting sort's
+  // call forced on two threads, float32, N = K = 2M D = 16 60.0-63.2 -> 45.4-46.7 ms, N = K = 4M
+  // D = 4 126.5-128.2 -> 101.5-103.9 ms; N = 300k K = 3M D = 64 (the pick) 40.4-51.1 -> 37.0-38.2 ms;
+  // N = 1M K = 4M D = 16 61.4-63.2 -> 61.4-61.9 ms.
   static constexpr int64_t kHugePagesFromBytes = 4 << 20;
   // bf16/fp16, a slot per row: rows of up to this many columns find the rows to write back by
   // comparing the scratch with a snapshot rather than by marking rows as they are added. K = 1M,

@@ -1253,6 +1253,44 @@ TEST(Strategies, LargeScratchBuffersAreHugePageAlignedAndGiveTheContractBits) {
   }
 }
 
+// reserve_huge gives a vector room for n elements and leaves it empty when it had to grow (its
+// callers refill it), and leaves one that has the room as it was. A plan whose buffers it grew
+// past kHugePagesFromBytes is the same as one built in buffers that had the room.
+TEST(Strategies, ReserveHugeGrowsEmptyAndPlansStayTheSame) {
+  using P = sa::cpu::CpuPolicy;
+  std::vector<int64_t> v = {1, 2, 3};
+  const size_t big = static_cast<size_t>(P::kHugePagesFromBytes) / sizeof(int64_t) + 77;
+  sa::cpu::reserve_huge(v, big);
+  EXPECT_TRUE(v.empty());
+  EXPECT_GE(v.capacity(), big);
+  v.assign(5, 9);
+  sa::cpu::reserve_huge(v, 4);
+  EXPECT_EQ(v, std::vector<int64_t>(5, 9));
+  const int64_t n = 300000, k = static_cast<int64_t>(big);  // sources of more than 4 MiB
+  std::mt19937_64 rng(77);
+  const std::vector<int64_t> iv = make_indices(Pattern::zipf, n, k, rng);
+  const Idx idx = make_idx(IndexType::i32, iv);
+  const Idx small = make_idx(IndexType::i32, {3, 1, 3, 0});
+  for (sa::Strategy m : {sa::Strategy::count, sa::Strategy::radix}) {
+    sa::Plan fresh, grown;
+    grown.rebuild(small.view(), 4, std::nullopt, m);  // small buffers first, then grown
+    grown.rebuild(idx.view(), n, std::nullopt, m);
+    fresh = sa::Plan::build(idx.view(), n, std::nullopt, m);
+    EXPECT_EQ(fresh.rows(), grown.rows());
+    EXPECT_EQ(fresh.offsets(), grown.offsets());
+    EXPECT_EQ(fresh.sources(), grown.sources());
+    int64_t at = 0;  // the sources of each row in increasing order, every entry once
+    for (size_t r = 0; r + 1 < fresh.offsets().size(); ++r)
+      for (int64_t j = fresh.offsets()[r]; j < fresh.offsets()[r + 1]; ++j, ++at) {
+        ASSERT_EQ(iv[static_cast<size_t>(fresh.sources()[static_cast<size_t>(j)])], fresh.rows()[r]);
+        if (j > fresh.offsets()[r]) {
+          ASSERT_LT(fresh.sources()[static_cast<size_t>(j) - 1], fresh.sources()[static_cast<size_t>(j)]);
+        }
+      }
+    EXPECT_EQ(at, k);
+  }
+}
+
 // Rows of 256 and 512 bytes compact from an out of 1 MiB, where the caches hold it: float32 D = 64
 // and 128 into 4096 to 114688 rows took 0.56x to 0.83x of the time of a split skipping the other
 // thread's entries one by one (policy.h, kCompactWideMinOutBytes).
