@@ -24,10 +24,18 @@ struct CpuPolicy {
   // scratch and pay from about 192 KiB: N = K = 16 D = 1024 (96 KiB) 4.8-5.1 us against 4.8-5.2,
   // N = 4096 K = 16 D = 1024 6.2 against 6.3, N = K = 32 D = 1024 (192 KiB) 7.9-8.1 -> 6.6 us.
   // gather: float32 N = 16 K = 16 D = 1024 (128 KiB) 4.2 us on one thread, 4.8 on two; K = 8
-  // D = 4096 (256 KiB) 6.0 -> 5.5 us.
+  // D = 4096 (256 KiB) 6.0 -> 5.5 us. On a Zen 5 EPYC (AVX-512, 2 vCPUs; the same loops, best of 9
+  // batches of 300, torch.set_num_threads 1 and 2 alternated twice), a gather of 256 KiB was
+  // 1.10-1.14x slower on two threads (float32 N = K = 32 D = 1024 2.92 -> 3.32 us, bf16 N = 16 and
+  // 4096 K = 16 D = 4096; float32 N = 1 K = 8 D = 4096 2.50 -> 2.91-2.97 us in a loop alternated
+  // with index_select, 0.52-0.74x of index_select in the shape sweep), of 512 KiB 0.82-0.97x
+  // (float32 K = 64 D = 1024 4.50 -> 3.85 us), of 1 MiB 0.65-0.67x: so a second gather thread from
+  // 512 KiB. (Two-thread times on that VM swing between runs: the same 512 KiB gathers took
+  // 0.74-0.97x in one later run and 1.14-1.42x in another.) The row walks there kept theirs:
+  // float32 at 768 KiB 0.88-1.12x, from 1.5 MiB 0.53-0.74x; bf16 from 384 KiB 0.81-0.90x.
   static constexpr int64_t kRowsMinBytesPerThread = 256 << 10;
   static constexpr int64_t kRows16MinBytesPerThread = 96 << 10;
-  static constexpr int64_t kGatherMinBytesPerThread = 128 << 10;
+  static constexpr int64_t kGatherMinBytesPerThread = 256 << 10;
 
   // --- gather ----------------------------------------------------------------------------------
   // An unweighted gather writes its dst rows with non-temporal stores (no read of each dst line
