@@ -204,21 +204,22 @@ void strategy_table(int threads) {
   }
 }
 
-double thread_seconds() {
+double clock_seconds(clockid_t clock) {
   timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  clock_gettime(clock, &ts);
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
-// Least thread CPU time of a few calls after a warm-up (at least 3, more while under 50 ms).
+// Least time of a few calls after a warm-up (at least `reps`, more while under 50 ms), by `clock`:
+// CLOCK_THREAD_CPUTIME_ID for one thread (robust to a loaded machine), CLOCK_MONOTONIC for several.
 template <class F>
-double cpu_best(F&& f) {
+double least_time(F&& f, clockid_t clock = CLOCK_THREAD_CPUTIME_ID, int reps = 3) {
   f();
   double best = 1e30, spent = 0;
-  for (int i = 0; i < 3 || (spent < 0.05 && i < 20); ++i) {
-    const double t0 = thread_seconds();
+  for (int i = 0; i < reps || (spent < 0.05 && i < 20); ++i) {
+    const double t0 = clock_seconds(clock);
     f();
-    const double t = thread_seconds() - t0;
+    const double t = clock_seconds(clock) - t0;
     best = std::min(best, t);
     spent += t;
   }
@@ -263,21 +264,6 @@ void report_regret(const std::vector<CalRow>& rows) {
 }
 
 // Measures every strategy over the grid (one thread, thread CPU time); writes `csv` if given.
-// Least wall time of a few calls after a warm-up (at least 5, more while under 50 ms).
-template <class F>
-double wall_best(F&& f) {
-  f();
-  double best = 1e30, spent = 0;
-  for (int i = 0; i < 5 || (spent < 0.05 && i < 20); ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::min(best, t);
-    spent += t;
-  }
-  return best;
-}
-
 void calibrate(const char* csv, int threads) {
   sa::set_num_threads(threads);
   if (threads == 1)
@@ -309,7 +295,7 @@ void calibrate(const char* csv, int threads) {
             o.num_threads = threads;
             o.strategy = static_cast<sa::Strategy>(s);
             const auto call = [&] { sa::index_add_rows(om, iv, sm, {}, o); };
-            row.t[s] = threads == 1 ? cpu_best(call) : wall_best(call);
+            row.t[s] = threads == 1 ? least_time(call) : least_time(call, CLOCK_MONOTONIC, 5);
           }
           rows.push_back(row);
           std::fprintf(stderr, "\r%zu/140 shapes", rows.size());

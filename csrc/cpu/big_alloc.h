@@ -26,9 +26,24 @@ inline std::atomic<int64_t>& huge_allocations() {
   return count;
 }
 
+constexpr size_t kHugePage = size_t(2) << 20;
+
+// Asks for huge pages for the whole 2 MiB pages inside [p, p + bytes) (advice only: a refusal
+// leaves 4 KiB pages).
+inline void advise_huge(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~uintptr_t(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 inline void* big_alloc(size_t bytes) {
   if (bytes == 0) bytes = 1;
-  constexpr size_t kHuge = size_t(2) << 20;
+  constexpr size_t kHuge = kHugePage;
   if (bytes < static_cast<size_t>(CpuPolicy::kHugePagesFromBytes)) {
     void* p = std::malloc(bytes);
     if (p == nullptr) throw std::bad_alloc();
@@ -38,9 +53,7 @@ inline void* big_alloc(size_t bytes) {
   const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
   void* p = std::aligned_alloc(kHuge, rounded);
   if (p == nullptr) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(p, rounded, MADV_HUGEPAGE);  // advice only: a refusal leaves 4 KiB pages
-#endif
+  advise_huge(p, rounded);
   huge_allocations().fetch_add(1, std::memory_order_relaxed);
   return p;
 }
@@ -54,14 +67,7 @@ void reserve_huge(std::vector<T>& v, size_t n) {
   if (n <= v.capacity()) return;
   v.clear();
   v.reserve(n);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  const size_t bytes = n * sizeof(T);
-  if (bytes < static_cast<size_t>(CpuPolicy::kHugePagesFromBytes)) return;
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(v.data()) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(v.data()) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
-#endif
+  if (n * sizeof(T) >= static_cast<size_t>(CpuPolicy::kHugePagesFromBytes)) advise_huge(v.data(), n * sizeof(T));
 }
 
 }  // namespace cpu

@@ -295,10 +295,11 @@ struct CpuPolicy {
   // it compacts them) and, unless it compacts, stream every source row. Where the index names each
   // row more than kRowSplitMaxLoad times on average, the rows' work it divides is small beside
   // that; where it names fewer than kRowSplitMinLoad (a split other than a dealt one or a
-  // float32/float64 compacted one), the call is mostly its passes over out. Zen 5 EPYC, two threads, `bench_scatter_add --threads
-  // 2 --calibrate` (140 shapes, least wall time of each strategy forced), the direct walk on two
-  // threads against one thread's CPU time: K / N = 10, float32 D = 64 1.25-1.92x the time, bf16
-  // D = 64 2.25-2.31x, bf16 D = 256 1.37-1.49x; K / N = 1 0.54-1.02x (float32 D = 64 zipf 1.54x);
+  // float32/float64 compacted one), the call is mostly its passes over out. Zen 5 EPYC, two
+  // threads, `bench_scatter_add --threads 2 --calibrate` (140 shapes, least wall time of each
+  // strategy forced), the direct walk on two threads against one thread's CPU time: K / N = 10,
+  // float32 D = 64 1.25-1.92x the time, bf16 D = 64 2.25-2.31x, bf16 D = 256 1.37-1.49x; K / N = 1
+  // 0.54-1.02x (float32 D = 64 zipf 1.54x);
   // 0.1 0.57-0.97x; 0.01 1.04-1.43x (calls of 4 to 90 us). The one-thread times are
   // benchmarks/cpu_calibration_zen5.csv. The regret of the grid's two-thread picks: 1.070-1.072x
   // in three runs before, 1.034-1.040x after (with kCompactWideMinOutBytes; a run after is
