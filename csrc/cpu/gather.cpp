@@ -117,6 +117,8 @@ bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_
         row_bytes > static_cast<double>(CpuPolicy::kStreamMaxRowBytesL3) ||
         dst_bytes + src_bytes < l3d || x_bytes < static_cast<double>(CpuPolicy::kStreamSourceL3s) * l3d)
       return false;
+  } else if (dst_bytes < static_cast<double>(CpuPolicy::kStreamAboveBytesNoL3)) {
+    return false;  // Intel: a dst that another op wrote just before is dirty in the cache
   }
   const size_t es = dtype_size(dst.dtype);
   return pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + dst.cols)) * es);

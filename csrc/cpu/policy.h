@@ -78,7 +78,23 @@ struct CpuPolicy {
   // 1.21-1.27x), nor into an 8 MiB dst (1.03-1.05 / 0.73-0.75x). From x of 488-976 MiB rows of
   // 512 B and 2 KiB won too (1.07-1.15 / 1.22-1.28x, 0.99-1.09 / 1.15-1.21x). So on AMD x must
   // span kStreamSourceL3s L3s, and rows take kStreamMinRowBytesL3 to kStreamMaxRowBytesL3.
+  // Later, on an Intel Xeon with AMX (480 MiB of L3 by sysfs, 2 vCPUs), float32 rows of 4 KiB,
+  // torch's allocator (glibc hands a freed block of under 32 MiB to the next call, so the dst is
+  // in memory and is streamed), medians, plain -> streamed: a gather called alone in a loop,
+  // writing into its own previous result, 4 MiB 154-169 -> 130-131 us, 8 MiB 295-302 -> 298-322,
+  // 16 MiB 593-628 -> 585-689, 24 MiB 909-957 -> 865-870, 31 MiB 1461-1513 -> 1166-1168; but
+  // interleaved with index_select and x[idx] (the sweep's way: the dst block another op wrote
+  // just before, its lines dirty in the cache, which a streaming store writes back first)
+  // 4 MiB 171-188 -> 381-382 us, 8 MiB 314-324 -> 732-744, 16 MiB 623-650 -> 1342-1417,
+  // 24 MiB 1075-1085 -> 2003-2068, 31 MiB 1677-1780 -> 2407-2470, and index_select after it
+  // slower too. In a model the allocator's blocks come back from other ops, as in the second
+  // loop. A dst kept in memory from 32 MiB up (a C++ caller's, or malloc told to keep it) gained
+  // alone, 32 MiB 980-1355 -> 753-782 us, 64 MiB 4034-4071 -> 1540-1564 us (from x of 781 MiB:
+  // 2374-3070 -> 1397-1574, 6006-6640 -> 2946-3538). So on CPUs without the L3 rule above a dst
+  // streams from kStreamAboveBytesNoL3. (An earlier Xeon with 300 MiB of L3 had gained 1.3-1.7x
+  // from 4 MiB in the first kind of loop.)
   static constexpr int64_t kStreamAboveBytes = 4 << 20;
+  static constexpr int64_t kStreamAboveBytesNoL3 = 32 << 20;
   static constexpr int64_t kAssumedL3Bytes = 32 << 20;
   static constexpr int64_t kStreamMinRowBytes = 256;
   static constexpr int64_t kStreamMaxRowBytes = 4096;
