@@ -137,8 +137,14 @@ void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& inde
                       w,        o.ignore_index.has_value(), o.ignore_index.value_or(0), stream};
   const GatherFn fn =
       active_kernels().gather[static_cast<int>(dst.dtype)][w != nullptr][index.type == IndexType::i64];
-  const int nt = threads_for(o, 2.0 * static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es),
-                            CpuPolicy::kGatherMinBytesPerThread);
+  // Work in bytes moved, plus a row's price where x's rows are read at random from memory.
+  const double x_bytes =
+      static_cast<double>(x.rows) * static_cast<double>(std::max(x.row_stride, x.cols)) * static_cast<double>(es);
+  const double work = 2.0 * static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es) +
+                      (x_bytes >= static_cast<double>(CpuPolicy::kGatherRandomRowsFromBytes)
+                           ? static_cast<double>(k) * static_cast<double>(CpuPolicy::kGatherRandomRowBytes)
+                           : 0.0);
+  const int nt = threads_for(o, work, CpuPolicy::kGatherMinBytesPerThread);
   const bool by_columns = k < nt;
   parallel_run(nt, [&](int t, int n) {
     if (by_columns) {

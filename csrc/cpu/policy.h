@@ -36,6 +36,16 @@ struct CpuPolicy {
   static constexpr int64_t kRowsMinBytesPerThread = 256 << 10;
   static constexpr int64_t kRows16MinBytesPerThread = 96 << 10;
   static constexpr int64_t kGatherMinBytesPerThread = 256 << 10;
+  // A gather's rows read at random from an x of kGatherRandomRowsFromBytes or more count
+  // kGatherRandomRowBytes each besides their bytes, toward its threads: such a row is a cache
+  // and TLB miss, which a second thread overlaps. Intel Xeon with AMX (2 vCPUs, 2 MiB L2 each),
+  // float32, x of 16 MB, medians of 300 calls through the Python API, one thread -> two (torch's
+  // index_select on two): D = 4 K = 4000 15.8 -> 11.4 us (16.9), K = 6000 23.7 -> 15.6 (24.7),
+  // K = 10000 35.8 -> 22.3 (23.9); D = 8 K = 3000 15.1 -> 12.0 (12.4), K = 10000 40.7 -> 24.2
+  // (25.7); up to K = 3000 at D = 4 (11.4 us, index_select 12.9) one thread stays. The same
+  // rows from an x of 3 MB took a third of the time (D = 1 K = 10000 16.6 us; 16 MB: 35.6).
+  static constexpr int64_t kGatherRandomRowsFromBytes = 4 << 20;
+  static constexpr int64_t kGatherRandomRowBytes = 128;
 
   // --- gather ----------------------------------------------------------------------------------
   // An unweighted gather writes its dst rows with non-temporal stores (no read of each dst line
