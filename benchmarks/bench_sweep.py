@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -116,9 +117,12 @@ CLOCK = time.perf_counter  # --cpu-time: time.thread_time (one thread, robust to
 
 def interleaved(fns, rounds, budget, peers_from=1):
     """Median seconds of each fn, timed round-robin (one batch each per round) so that drift and
-    neighbours' load hit every contender alike; batches adapt to short functions. After the first
-    round, a peer (fns[peers_from:]) more than 2.5x slower than the best peer is not timed again
-    (it cannot be the best path; its first-round time is kept)."""
+    neighbours' load hit every contender alike; batches adapt to short functions. Each round takes
+    the contenders in a new order (seeded): a call right after a different op is slower than one
+    after itself (a 1.6 MiB gather 5 to 30 us slower, by the op before it), so a fixed order would
+    charge one contender the slowest predecessor in every round. After the first round, a peer
+    (fns[peers_from:]) more than 2.5x slower than the best peer is not timed again (it cannot be
+    the best path; its first-round time is kept)."""
     for f in fns:
         f()
     t0 = CLOCK()
@@ -130,8 +134,11 @@ def interleaved(fns, rounds, budget, peers_from=1):
     active = list(range(len(fns)))
     start = time.perf_counter()
     r = 0
+    shuffle = random.Random(len(fns)).shuffle
     while r < 3 or (r < rounds and time.perf_counter() - start < budget):
-        for i in active:
+        order = list(active)
+        shuffle(order)
+        for i in order:
             t = CLOCK()
             for _ in range(inner):
                 fns[i]()
