@@ -339,7 +339,10 @@ struct CpuPolicy {
   // either way, 1.00x); rows of 16 and 32 float32 columns 0.92-1.09x (and one 1.23x, N = K =
   // 458752 D = 16 zipf, that four more alternated rounds put at 1.01x). Splits that deal (bf16
   // rows of 8 and 32 bytes) still paid at K / N = 3 to 8 (not splitting took 1.09-1.83x the
-  // time), so kRowSplitMaxLoad does not apply to them.
+  // time), so kRowSplitMaxLoad does not apply to them. On an Intel Xeon with AMX (2 vCPUs,
+  // 2 MiB L2 each, 480 MiB L3) the same grid, these constants unchanged: 1.011x on one thread,
+  // 1.034x on two (benchmarks/cpu_calibration_xeon_480m.csv, _2t.csv), worst 1.59-1.62x at
+  // N = 655 K = 65536 again.
   static constexpr double kRowSplitMinLoad = 0.05;
   static constexpr double kRowSplitMaxLoad = 2.0;
   // bf16/fp16 on two threads, rows of at most kDealMaxRowBytes: a row split first deals the
