@@ -115,12 +115,17 @@ def cells(quick):
 CLOCK = time.perf_counter  # --cpu-time: time.thread_time (one thread, robust to a loaded machine)
 
 
+ORDERS = random.Random(0)  # the contenders' order in each round of interleaved()
+
+
 def interleaved(fns, rounds, budget, peers_from=1):
     """Median seconds of each fn, timed round-robin (one batch each per round) so that drift and
     neighbours' load hit every contender alike; batches adapt to short functions. Each round takes
-    the contenders in a new order (seeded): a call right after a different op is slower than one
-    after itself (a 1.6 MiB gather 5 to 30 us slower, by the op before it), so a fixed order would
-    charge one contender the slowest predecessor in every round. After the first round, a peer
+    the contenders in a random order (one seeded generator for the whole run) whose first is not
+    the last of the round before: a call right after a different op is slower than one after
+    itself (a 1.6 MiB gather 5 to 30 us slower, by the op before it), so a fixed order would charge
+    one contender the slowest predecessor in every round, and a batch right after its own would
+    be spared it. After the first round, a peer
     (fns[peers_from:]) more than 2.5x slower than the best peer is not timed again (it cannot be
     the best path; its first-round time is kept)."""
     for f in fns:
@@ -134,10 +139,13 @@ def interleaved(fns, rounds, budget, peers_from=1):
     active = list(range(len(fns)))
     start = time.perf_counter()
     r = 0
-    shuffle = random.Random(len(fns)).shuffle
+    last = None
     while r < 3 or (r < rounds and time.perf_counter() - start < budget):
         order = list(active)
-        shuffle(order)
+        ORDERS.shuffle(order)
+        if order[0] == last:
+            order = order[1:] + order[:1]
+        last = order[-1]
         for i in order:
             t = CLOCK()
             for _ in range(inner):

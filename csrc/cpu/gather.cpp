@@ -118,7 +118,7 @@ bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_
         dst_bytes + src_bytes < l3d || x_bytes < static_cast<double>(CpuPolicy::kStreamSourceL3s) * l3d)
       return false;
   } else if (dst_bytes < static_cast<double>(CpuPolicy::kStreamAboveBytesNoL3)) {
-    return false;  // Intel: a dst that another op wrote just before is dirty in the cache
+    return false;  // other CPUs (Intel): a smaller dst, dirty in the cache from its last writer
   }
   const size_t es = dtype_size(dst.dtype);
   return pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + dst.cols)) * es);

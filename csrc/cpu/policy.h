@@ -43,7 +43,8 @@ struct CpuPolicy {
   // index_select on two): D = 4 K = 4000 15.8 -> 11.4 us (16.9), K = 6000 23.7 -> 15.6 (24.7),
   // K = 10000 35.8 -> 22.3 (23.9); D = 8 K = 3000 15.1 -> 12.0 (12.4), K = 10000 40.7 -> 24.2
   // (25.7); up to K = 3000 at D = 4 (11.4 us, index_select 12.9) one thread stays. The same
-  // rows from an x of 3 MB took a third of the time (D = 1 K = 10000 16.6 us; 16 MB: 35.6).
+  // rows from an x of 4 MB (just under 4 MiB) took about half the time (D = 1 K = 10000 16.6 us;
+  // from 16 MB 35.6).
   static constexpr int64_t kGatherRandomRowsFromBytes = 4 << 20;
   static constexpr int64_t kGatherRandomRowBytes = 128;
 

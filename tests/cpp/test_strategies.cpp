@@ -913,8 +913,8 @@ TEST(Strategies, GatherBitsAreOneRoundedProductWhateverTheSplit) {
 
 // A large unweighted gather writes its rows by non-temporal stores (forced here: by default a
 // dst that fits in an AMD L3 with its source, or one under 32 MiB on other CPUs, is not
-// streamed) or by plain ones: rows that start
-// anywhere in a cache line (a padded dst stride), vector-sized ends, ignored rows, every split.
+// streamed) or by plain ones: rows that start anywhere in a cache line (a padded dst stride),
+// vector-sized ends, ignored rows, every split.
 TEST(Strategies, LargeGatherByStreamingStoresCopiesEveryByte) {
   struct Restore {  // the caller's setting, if any, after the test
     const char* was = std::getenv("SCATTER_ADD_GATHER_STREAM");
