@@ -125,9 +125,8 @@ def interleaved(fns, rounds, budget, peers_from=1):
     the last of the round before: a call right after a different op is slower than one after
     itself (a 1.6 MiB gather 5 to 30 us slower, by the op before it), so a fixed order would charge
     one contender the slowest predecessor in every round, and a batch right after its own would
-    be spared it. After the first round, a peer
-    (fns[peers_from:]) more than 2.5x slower than the best peer is not timed again (it cannot be
-    the best path; its first-round time is kept)."""
+    be spared it. After the first round, a peer (fns[peers_from:]) more than 2.5x slower than the
+    best peer is not timed again (it cannot be the best path; its first-round time is kept)."""
     for f in fns:
         f()
     t0 = CLOCK()
