@@ -96,7 +96,8 @@ int64_t store_keeping_l3_bytes() {
 // SCATTER_ADD_GATHER_STREAM, read by calls past the size threshold only (a dst of 4 MiB or
 // more, where a getenv costs nothing measurable): "1" streams every such call whatever the cache
 // and pages, "0" none; any other value leaves the choice to this rule.
-bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_bytes) {
+// x_bytes: the whole of x, rows times stride (x_span_bytes).
+bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_bytes, double x_bytes) {
   const double dst_bytes = row_bytes * static_cast<double>(k);
   if (row_bytes < static_cast<double>(CpuPolicy::kStreamMinRowBytes) ||
       row_bytes > static_cast<double>(CpuPolicy::kStreamMaxRowBytes) ||
@@ -110,8 +111,6 @@ bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_
   if (l3 > 0) {
     // AMD: only with the AVX-512 kernels, rows of kStreamMinRowBytesL3 to kStreamMaxRowBytesL3, a
     // dst that fills the L3 with the rows it reads, and an x whose rows come from memory.
-    const double x_bytes = static_cast<double>(x.rows) * static_cast<double>(std::max(x.row_stride, x.cols)) *
-                           static_cast<double>(dtype_size(x.dtype));
     const double l3d = static_cast<double>(l3);
     if (active_isa() < Isa::avx512 || row_bytes < static_cast<double>(CpuPolicy::kStreamMinRowBytesL3) ||
         row_bytes > static_cast<double>(CpuPolicy::kStreamMaxRowBytesL3) ||
@@ -124,6 +123,11 @@ bool stream_pays(const Matrix& dst, const ConstMatrix& x, int64_t k, double row_
   return pages_resident(dst.data, static_cast<size_t>(((k - 1) * dst.row_stride + dst.cols)) * es);
 }
 
+double x_span_bytes(const ConstMatrix& x) {
+  return static_cast<double>(x.rows) * static_cast<double>(std::max(x.row_stride, x.cols)) *
+         static_cast<double>(dtype_size(x.dtype));
+}
+
 }  // namespace
 
 void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& index, const void* w,
@@ -132,14 +136,14 @@ void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& inde
   const int64_t k = index.size, d = dst.cols;
   if (k == 0 || d == 0) return;
   const size_t es = dtype_size(dst.dtype);
-  const bool stream = w == nullptr && stream_pays(dst, x, k, static_cast<double>(d) * static_cast<double>(es));
+  const double x_bytes = x_span_bytes(x);
+  const bool stream =
+      w == nullptr && stream_pays(dst, x, k, static_cast<double>(d) * static_cast<double>(es), x_bytes);
   const GatherJob job{dst.data, dst.row_stride, x.data,  x.row_stride, index.data,
                       w,        o.ignore_index.has_value(), o.ignore_index.value_or(0), stream};
   const GatherFn fn =
       active_kernels().gather[static_cast<int>(dst.dtype)][w != nullptr][index.type == IndexType::i64];
   // Work in bytes moved, plus a row's price where x's rows are read at random from memory.
-  const double x_bytes =
-      static_cast<double>(x.rows) * static_cast<double>(std::max(x.row_stride, x.cols)) * static_cast<double>(es);
   const double work = 2.0 * static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es) +
                       (x_bytes >= static_cast<double>(CpuPolicy::kGatherRandomRowsFromBytes)
                            ? static_cast<double>(k) * static_cast<double>(CpuPolicy::kGatherRandomRowBytes)
