@@ -12,7 +12,7 @@ JOBS ?= $(shell nproc)
 MAKEFLAGS += --no-print-directory
 
 .PHONY: all deps venv cpp hub-no-python-h test test-cpp test-consumer test-python test-sanitizers hub bench bench-quick bench-cpp cuda cuda-hub peers fuzz fuzz-build clean
-.PHONY: test-python-venv-cuda compat test-serial clang-levels
+.PHONY: test-python-venv-cuda compat test-serial clang-levels test-fuzz-corpus
 
 all: cpp
 
@@ -61,8 +61,10 @@ test-python: hub
 # after every Debian package either needs is installed (apt-get must not run twice at once), in
 # two rounds: the second round's targets use both virtual environments and the hub package, which
 # the first round's Python lane makes (a target that made them in the other lane would race it).
+# The fuzz build runs in the Python lane, which would otherwise wait for the C++ lane's sanitizer
+# suites (a clean clone on 2 cores: that lane 886 s, the Python lane's pytest and CUDA venv 460).
 TEST_CPP_1 = test-cpp test-consumer test-sanitizers
-TEST_PY_1 = test-python $(VENV_CUDA)/.installed
+TEST_PY_1 = test-python $(VENV_CUDA)/.installed test-fuzz-corpus
 TEST_CPP_2 = cuda clang-levels
 TEST_PY_2 = test-python-venv-cuda bench-quick hub-no-python-h cuda-hub
 test:
@@ -75,7 +77,8 @@ test:
 test-serial: $(TEST_CPP_1) $(TEST_PY_1) $(TEST_CPP_2) $(TEST_PY_2)
 
 # Sanitizers (clang's runtimes from Debian): the whole C++ suite under ASan + UBSan, the threaded
-# path (std::thread backend, which TSan can see into) under TSan, and the fuzz corpus replayed.
+# path (std::thread backend, which TSan can see into) under TSan; test-fuzz-corpus replays the fuzz
+# corpus (ASan + UBSan + libFuzzer).
 SAN_DEPS := clang libclang-rt-14-dev libomp-14-dev
 # Sanitizer builds at -O1 with line tables only (all a sanitizer's report needs for file and line):
 # the ASan+UBSan build of the C++ suite took 92 s at -O2 -g and takes 76 s so, its tests as long.
@@ -94,8 +97,9 @@ test-sanitizers:
 	cmake -S . -B .build/tsan $(HERE_ONLY) -DCMAKE_CXX_COMPILER=clang++ -DSCATTER_ADD_SANITIZE=thread -DSCATTER_ADD_OPENMP=OFF -DSCATTER_ADD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(SAN_OPT)" >/dev/null
 	cmake --build .build/tsan -j $(JOBS) --target scatter_add_tests
 	.build/tsan/tests/cpp/scatter_add_tests --gtest_filter='$(TSAN_TESTS)'
-	$(MAKE) --no-print-directory fuzz-build
-	.build/fuzz/fuzz_scatter_add -runs=0 tests/fuzz/corpus 2>&1 | tail -n 2
+
+test-fuzz-corpus: fuzz-build
+	set -o pipefail; .build/fuzz/fuzz_scatter_add -runs=0 tests/fuzz/corpus 2>&1 | tail -n 2
 
 # The kernel levels above this CPU's, which the clang builds above leave out, checked by clang
 # once (-fsyntax-only: every template instantiated and checked, no code generated), as the
