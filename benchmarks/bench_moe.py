@@ -338,7 +338,7 @@ class MoEBench:
                     p.grad = None
                 xg = xs.detach().requires_grad_(True)
                 moe._Experts.apply(xg, offsets, ex.gate_up_proj, None, ex.down_proj, None, False,
-                                   ex._apply_gate).backward(probe_ys)
+                                   ex._apply_gate, moe._silu_gate(ex)).backward(probe_ys)
 
             def combine():  # the weighted index_add, and its gradients of the rows and the weights
                 yg, pg = ys.detach().requires_grad_(True), pw.detach().requires_grad_(True)

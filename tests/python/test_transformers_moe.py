@@ -523,6 +523,67 @@ def test_activation_with_parameters_gets_gradients(sa, name, frozen_experts):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
+SILU_GATED = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_default_gate_is_recognised(sa, model):
+    """Experts with transformers' default gate and a plain SiLU take the written-out derivative;
+    GPT-OSS's own gate, another activation or a hook on the activation do not."""
+    ex = experts_modules(build(model))[0]
+    assert sa.moe._silu_gate(ex) == (model in SILU_GATED)
+    if model in SILU_GATED:
+        handle = ex.act_fn.register_forward_hook(lambda mod, args, out: out)
+        assert not sa.moe._silu_gate(ex)
+        handle.remove()
+        assert sa.moe._silu_gate(ex)
+        ex.act_fn = torch.nn.GELU()
+        assert not sa.moe._silu_gate(ex)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_gate_derivative_has_the_bits_of_autograd(sa, dtype):
+    """_silu_gate_backward against autograd over the model's own gate, on values that reach the
+    activation's tails, strided gradient rows included."""
+    ex = experts_modules(build("mixtral"))[0]
+    g = torch.Generator().manual_seed(8)
+    h = (torch.randn(37, 2 * 40, generator=g) * torch.tensor([0.1, 3.0, 30.0]).repeat_interleave(27)[:80]).to(dtype)
+    grad_a = torch.randn(37, 2 * 40, generator=g).to(dtype)[:, ::2]
+    hh = h.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(ex._apply_gate(hh), hh, grad_a)
+    got = sa.moe._silu_gate_backward(h, grad_a)
+    assert got.dtype == dtype and got.shape == h.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("silu_gate", [True, False])
+def test_gradients_by_either_gate_derivative(sa, name, monkeypatch, silu_gate, forms):
+    """The experts' gradients with the written-out derivative of the default gate and with autograd
+    over the gate are bitwise the same, on either backward path, and the written-out one ran."""
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ran = {"n": 0}
+    real = sa.moe._silu_gate_backward
+
+    def counted(*args):
+        ran["n"] += 1
+        return real(*args)
+    monkeypatch.setattr(sa.moe, "_silu_gate_backward", counted)
+    results = {}
+    for which in (True, False):
+        monkeypatch.setattr(sa.moe, "_silu_gate", lambda self, which=which: which)
+        ex.config._experts_implementation = name
+        ex.zero_grad()
+        x = h.clone().requires_grad_(True)
+        out = ex(x, idx, w)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
+        results[which] = [x.grad] + [p.grad.clone() for p in ex.parameters()]
+    ex.config._experts_implementation = "eager"
+    assert ran["n"] == 1
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)
+
+
 def test_bad_input_names_the_argument(sa, name):
     m = build("mixtral")
     ex, (h, idx, w) = capture_experts_inputs(m, tokens())
@@ -580,11 +641,13 @@ def test_idle_experts_gradients_are_zero_in_reused_memory(sa, monkeypatch, dtype
         gh = torch.randn(xs.shape[0], 2 * inter, generator=g).to(dtype)  # the first product's output
 
         def grads():
-            leaves = [t.detach().requires_grad_() for t in (xs, w_in, w_out)]
-            ys = moe._Experts.apply(leaves[0], ends, leaves[1], None, leaves[2], None, transposed, gate)
-            via_autograd = torch.autograd.grad(ys, leaves, gy)
+            via_autograd = []
+            for silu_gate in (False, True):  # the gate is the default one: either derivative
+                leaves = [t.detach().requires_grad_() for t in (xs, w_in, w_out)]
+                ys = moe._Experts.apply(leaves[0], ends, leaves[1], None, leaves[2], None, transposed, gate, silu_gate)
+                via_autograd += torch.autograd.grad(ys, leaves, gy)
             via_op = moe._grouped_linear_backward_impl(gh, xs, w_in, ends, False, transposed, True, True)[:2]
-            return list(via_autograd) + list(via_op)
+            return via_autograd + list(via_op)
 
         clean = grads()
         monkeypatch.setattr(torch, "empty_like", dirty_empty_like)
@@ -595,7 +658,9 @@ def test_idle_experts_gradients_are_zero_in_reused_memory(sa, monkeypatch, dtype
         for a, b in zip(clean, dirty):
             assert not b.isnan().any(), counts
             assert torch.equal(a, b), counts
-        for w_grad in (dirty[1], dirty[2], dirty[4]):  # per-expert weight gradients
+        for a, b in zip(clean[:3], clean[3:6]):
+            assert torch.equal(a, b), counts
+        for w_grad in (dirty[1], dirty[2], dirty[4], dirty[5], dirty[7]):  # per-expert weight gradients
             for e, c in enumerate(counts):
                 if c == 0:
                     assert (w_grad[e] == 0).all(), (counts, e)

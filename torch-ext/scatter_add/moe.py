@@ -24,8 +24,9 @@ transposed [E, in, out] with biases and interleaved gate/up columns.
 
 Autograd: in eager mode the experts are one autograd function. Its forward takes the products of
 the inference loop and keeps the pre-activations; its backward runs the same blocks (gradients of
-every weight, bias, input and routing weight; the gate's derivative is taken by autograd over all
-rows at once), by torch's grouped products where they apply without AMX, else block by block;
+every weight, bias, input and routing weight; the gate's derivative is taken over all rows at
+once, written out for transformers' default silu(gate) * up with autograd's bits, by autograd
+over the gate otherwise), by torch's grouped products where they apply without AMX, else block by block;
 in bf16 where torch has no oneDNN bf16 product (AVX2 CPUs), block by block with this library's
 small_matmul / small_matmul_nn (see _own_products).
 Under torch.compile the products are two opaque grouped ops
@@ -45,6 +46,7 @@ block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_product
 whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call per product
 (_small_grouped), with the same bits.
 """
+import sys
 from typing import List, Optional
 
 import torch
@@ -485,21 +487,60 @@ def _grouped_plain(x, ends, group, w_in, w_out, gate, h_out=None):
     return torch._grouped_mm(_operand(gate(h)), w_out[e0:e1 + 1].transpose(-2, -1), offs=offs)
 
 
+# --- the default gate's derivative ------------------------------------------------------------------
+
+
+def _silu_gate(self) -> bool:
+    """Whether the experts' gate is transformers' default, act_fn(gate) * up over the concatenated
+    [gate | up] pre-activations, with act_fn a plain SiLU (no hooks): Mixtral, Qwen2/3-MoE, OLMoE,
+    DeepSeek-V3. Its derivative is then written out (_silu_gate_backward)."""
+    if not self.has_gate or not getattr(self, "is_concatenated", True):
+        return False
+    integration = sys.modules.get("transformers.integrations.moe")
+    default = getattr(integration, "_default_apply_gate", None)
+    if default is None or getattr(type(self), "_apply_gate", None) is not default:
+        return False
+    act = getattr(self, "act_fn", None)
+    silu = type(act) is torch.nn.SiLU or (type(act).__name__ == "SiLUActivation"
+                                            and type(act).__module__ == "transformers.activations")
+    hooks = torch.nn.modules.module
+    return silu and not (act._forward_hooks or act._forward_pre_hooks or hooks._global_forward_hooks
+                         or hooks._global_forward_pre_hooks)
+
+
+def _silu_gate_backward(h, grad_a):
+    """dL/dh for a = silu(gate) * up, h = [gate | up], given dL/da: the bits of autograd's (its mul
+    backward's two products, silu_backward, then the halves joined), in four passes written into
+    one new tensor, where autograd over the gate (recomputed, with its graph) took seven and six
+    new ones. Mixtral block, 2048 tokens, bf16, two threads: those passes took 60 ms of a 300 ms
+    forward+backward (profiler), much of it first touches of fresh [4096, 3584] and [4096, 7168]
+    tensors."""
+    gate, up = h.chunk(2, dim=-1)
+    grad_h = torch.empty_like(h)
+    d_gate, d_up = grad_h.chunk(2, dim=-1)
+    torch.mul(grad_a, up, out=d_gate)
+    torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
+    torch.ops.aten.silu.out(gate, out=d_up)
+    d_up.mul_(grad_a)
+    return grad_h
+
+
 class _Experts(torch.autograd.Function):
     """The expert loop for training. Forward: _experts_loop, the products and gate groups of
     inference, with the blocks' pre-activations kept in one [S, in_out] tensor for the backward
     (Qwen3-MoE block, 64 tokens, bf16, two threads: a forward with grad took 35-55 ms with a gate
     call and plain products per expert, 36-40 ms this way, about grouped_mm's). Backward: the
-    activations' gradients, the gate differentiated once over all rows (one autograd call, not one
-    per expert: with 128 experts of a few rows each that overhead outweighed the products), then
-    the products' gradients; by _grouped_backward where it applies, else block by block."""
+    activations' gradients, the gate differentiated once over all rows (one call, not one per
+    expert: with 128 experts of a few rows each that overhead outweighed the products; by
+    _silu_gate_backward where silu_gate, else by autograd), then the products' gradients; by
+    _grouped_backward where it applies, else block by block."""
 
     @staticmethod
-    def forward(ctx, xs, offsets, w_in, b_in, w_out, b_out, transposed, gate):
+    def forward(ctx, xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, silu_gate):
         hs = xs.new_empty(xs.shape[0], _out_features(w_in, transposed))
         ys = _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, hs=hs)
         ctx.save_for_backward(xs, offsets, w_in, w_out, hs)
-        ctx.transposed, ctx.gate = transposed, gate
+        ctx.transposed, ctx.gate, ctx.silu_gate = transposed, gate, silu_gate
         ctx.grouped = (not _AMX and _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed)
                        and not (_own_products(xs, w_in) and _own_products(xs, w_out)))
         return ys
@@ -513,11 +554,23 @@ class _Experts(torch.autograd.Function):
         grad_ys = grad_ys.to(xs.dtype)
         blocks = list(_blocks(offsets))
         rows = blocks[-1][2] if blocks else 0
-        with torch.enable_grad():
-            h = hs[:rows].detach().requires_grad_(True)
-            a = ctx.gate(h)
+        if ctx.silu_gate:
+            h = hs[:rows]
+            a = ctx.gate(h)  # no graph: backward runs without grad
+
+            def gate_backward(grad_a):
+                return _silu_gate_backward(h, grad_a)
+        else:
+            with torch.enable_grad():
+                h = hs[:rows].detach().requires_grad_(True)
+                a_graph = ctx.gate(h)
+            a = a_graph.detach()
+
+            def gate_backward(grad_a):
+                return torch.autograd.grad(a_graph, h, grad_a)[0]
         if ctx.grouped and rows:
-            return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, h, a, need_x, need_w_in, need_w_out)
+            return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
+                                     need_x, need_w_in, need_w_out)
         grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
         grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
         grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
@@ -527,17 +580,16 @@ class _Experts(torch.autograd.Function):
         grad_a = a.new_empty(a.shape)
         for e, start, end in blocks:
             _grad_input(grad_ys[start:end], w_out, e, tr, out=grad_a[start:end])
-        (grad_h,) = torch.autograd.grad(a, h, grad_a) if rows else (h,)
-        a = a.detach()
+        grad_h = gate_backward(grad_a) if rows else h
         for e, start, end in blocks:
             g = grad_ys[start:end]
             _linear_backward(g, a[start:end], w_out, e, tr, None, grad_w_out, grad_b_out)
             _linear_backward(grad_h[start:end], xs[start:end], w_in, e, tr,
                              grad_x[start:end] if need_x else None, grad_w_in, grad_b_in)
-        return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None
+        return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None, None
 
 
-def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, h, a, need_x, need_w_in, need_w_out):
+def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward, need_x, need_w_in, need_w_out):
     """_Experts' gradients by torch's grouped products (no AMX; [E, out, in] weights without
     biases, as _grouped_ok): one call per product for every expert, where the loop makes four per
     expert and a Python round trip each. The weight gradients come out whole, contiguous
@@ -550,16 +602,15 @@ def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, h, a, need_x, nee
     offs = offsets.to(torch.int32)
     g = _operand(grad_ys[:rows])
     grad_a = torch._grouped_mm(g, w_out, offs=offs)
-    (grad_h,) = torch.autograd.grad(a, h, grad_a)
-    grad_h = _operand(grad_h)
-    grad_w_out = torch._grouped_mm(g.t(), _operand(a.detach()), offs=offs) if need_w_out else None
+    grad_h = _operand(gate_backward(grad_a))
+    grad_w_out = torch._grouped_mm(g.t(), _operand(a), offs=offs) if need_w_out else None
     grad_w_in = torch._grouped_mm(grad_h.t(), _operand(xs[:rows]), offs=offs) if need_w_in else None
     grad_x = None
     if need_x:
         grad_x = torch._grouped_mm(grad_h, w_in, offs=offs)
         if rows < xs.shape[0]:  # sentinel rows: no gradient
             grad_x = torch.cat([grad_x, grad_x.new_zeros(xs.shape[0] - rows, grad_x.shape[1])])
-    return grad_x, None, grad_w_in, None, grad_w_out, None, None, None
+    return grad_x, None, grad_w_in, None, grad_w_out, None, None, None, None
 
 
 # --- torch.compile: two grouped products as opaque ops, the gate traced -----------------------------
@@ -724,7 +775,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     else:
         xs = gather(hidden_states, token, ignore_index=_IGNORE).to(w_in.dtype)
         args = (xs, offsets, w_in, b_in, w_out, b_out, transposed, gate)
-        ys = _experts_graph(*args) if graph else _Experts.apply(*args)
+        ys = _experts_graph(*args) if graph else _Experts.apply(*args, _silu_gate(self))
     if self.has_post_expert_norm:
         ys = self.post_expert_norm(ys)
     ys = ys.to(hidden_states.dtype)
