@@ -529,16 +529,47 @@ SILU_GATED = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"}
 @pytest.mark.parametrize("model", MODELS)
 def test_default_gate_is_recognised(sa, model):
     """Experts with transformers' default gate and a plain SiLU take the written-out derivative;
-    GPT-OSS's own gate, another activation or a hook on the activation do not."""
+    GPT-OSS's own gate does not, nor does anything that changes what the gate computes or what
+    autograd runs through it: another activation, an in-place SiLU, a gate or a forward set on
+    the instance, a forward replaced on the activation's class, forward or backward hooks."""
     ex = experts_modules(build(model))[0]
     assert sa.moe._silu_gate(ex) == (model in SILU_GATED)
-    if model in SILU_GATED:
-        handle = ex.act_fn.register_forward_hook(lambda mod, args, out: out)
+    if model not in SILU_GATED:
+        return
+    act = ex.act_fn
+    nn_module = torch.nn.modules.module
+    changes = [
+        lambda: act.register_forward_hook(lambda mod, args, out: out).remove,
+        lambda: act.register_forward_pre_hook(lambda mod, args: None).remove,
+        lambda: act.register_full_backward_hook(lambda mod, gi, go: None).remove,
+        lambda: act.register_full_backward_pre_hook(lambda mod, go: None).remove,
+        lambda: nn_module.register_module_forward_hook(lambda mod, args, out: out).remove,
+        lambda: nn_module.register_module_full_backward_hook(lambda mod, gi, go: None).remove,
+    ]
+    for change in changes:
+        undo = change()
         assert not sa.moe._silu_gate(ex)
-        handle.remove()
+        undo()
         assert sa.moe._silu_gate(ex)
-        ex.act_fn = torch.nn.GELU()
-        assert not sa.moe._silu_gate(ex)
+
+    def setting(obj, attr, value):  # obj.attr = value, and how to undo it (submodules included)
+        had = attr in vars(obj) or attr in getattr(obj, "_modules", {})
+        old = getattr(obj, attr) if had else None
+        setattr(obj, attr, value)
+        return lambda: setattr(obj, attr, old) if had else delattr(obj, attr)
+    for undo in (lambda: setting(ex, "_apply_gate", lambda h: h[..., :h.shape[-1] // 2]),
+                 lambda: setting(act, "forward", lambda x: 2 * torch.nn.functional.silu(x)),
+                 lambda: setting(type(act), "forward", lambda self, x: 2 * torch.nn.functional.silu(x)),
+                 lambda: setting(ex, "act_fn", torch.nn.GELU()),
+                 lambda: setting(ex, "act_fn", torch.nn.SiLU(inplace=True))):
+        undo = undo()
+        try:
+            assert not sa.moe._silu_gate(ex)
+        finally:
+            undo()
+        assert sa.moe._silu_gate(ex)
+    ex.act_fn = torch.nn.SiLU()
+    assert sa.moe._silu_gate(ex)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

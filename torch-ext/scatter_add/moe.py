@@ -492,25 +492,40 @@ def _grouped_plain(x, ends, group, w_in, w_out, gate, h_out=None):
 
 def _silu_gate(self) -> bool:
     """Whether the experts' gate is transformers' default, act_fn(gate) * up over the concatenated
-    [gate | up] pre-activations, with act_fn a plain SiLU (no hooks): Mixtral, Qwen2/3-MoE, OLMoE,
-    DeepSeek-V3. Its derivative is then written out (_silu_gate_backward)."""
+    [gate | up] pre-activations, with act_fn a plain SiLU: Mixtral, Qwen2/3-MoE, OLMoE,
+    DeepSeek-V3. Its derivative is then written out (_silu_gate_backward). Anything that could make
+    the gate compute something else, or autograd run something more, keeps autograd over the gate:
+    a gate set on the instance, a forward replaced on the activation or its class (as kernelize
+    does), an in-place SiLU, and forward or backward hooks, the activation's or global ones."""
     if not self.has_gate or not getattr(self, "is_concatenated", True):
         return False
     integration = sys.modules.get("transformers.integrations.moe")
     default = getattr(integration, "_default_apply_gate", None)
-    if default is None or getattr(type(self), "_apply_gate", None) is not default:
+    if default is None or getattr(getattr(self, "_apply_gate", None), "__func__", None) is not default:
         return False
     act = getattr(self, "act_fn", None)
-    silu = type(act) is torch.nn.SiLU or (type(act).__name__ == "SiLUActivation"
-                                            and type(act).__module__ == "transformers.activations")
+    forward = getattr(type(act), "forward", None)
+    if type(act) is torch.nn.SiLU:
+        silu = forward is _TORCH_SILU_FORWARD and not act.inplace
+    else:
+        silu = (type(act).__name__ == "SiLUActivation" and type(act).__module__ == "transformers.activations"
+                and getattr(forward, "__qualname__", None) == "SiLUActivation.forward"
+                and getattr(forward, "__module__", None) == "transformers.activations")
+    if not silu or "forward" in vars(act):
+        return False
     hooks = torch.nn.modules.module
-    return silu and not (act._forward_hooks or act._forward_pre_hooks or hooks._global_forward_hooks
-                         or hooks._global_forward_pre_hooks)
+    return not (act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks
+                or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+_TORCH_SILU_FORWARD = torch.nn.SiLU.forward
 
 
 def _silu_gate_backward(h, grad_a):
     """dL/dh for a = silu(gate) * up, h = [gate | up], given dL/da: the bits of autograd's (its mul
-    backward's two products, silu_backward, then the halves joined), in four passes written into
+    backward's two products, silu_backward, then the halves joined; a NaN may come out with
+    another payload), in four passes written into
     one new tensor, where autograd over the gate (recomputed, with its graph) took seven and six
     new ones. Mixtral block, 2048 tokens, bf16, two threads: those passes took 60 ms of a 300 ms
     forward+backward (profiler), much of it first touches of fresh [4096, 3584] and [4096, 7168]
