@@ -105,11 +105,14 @@ def tokens(n=11, batch=2, seed=1):
     return torch.randint(3, COMMON["vocab_size"], (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(params=[False, True], ids=["plain_forms", "amx_forms"])
+@pytest.fixture(params=[False, True], ids=["plain_forms", "amx_forms_loop_backward"])
 def forms(sa, monkeypatch, request):
     """The forward's product forms of a CPU without AMX and of one with it, on any CPU (moe._AMX:
-    the forms differ, the results agree to rounding)."""
+    the forms differ, the results agree to rounding); with the second, the training backward
+    block by block instead of by torch's grouped products (moe._GROUPED_BACKWARD), so that either
+    backward runs under every test that takes this fixture."""
     monkeypatch.setattr(sa.moe, "_AMX", request.param)
+    monkeypatch.setattr(sa.moe, "_GROUPED_BACKWARD", not request.param)
     return request.param
 
 
@@ -129,8 +132,8 @@ def test_logits_match_eager_float32(sa, name, model, forms):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_gradients_match_eager(sa, name, model, forms):
-    """With either forms: without AMX the backward takes torch's grouped products where they
-    apply, with AMX the per-expert loop."""
+    """With either forms and backward (see `forms`): torch's grouped products where they apply,
+    or the per-expert loop."""
     eager = build(model).train()
     ours = with_impl(eager, name).train()
     ids = tokens()
