@@ -556,7 +556,8 @@ class _Experts(torch.autograd.Function):
         ys = _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, hs=hs)
         ctx.save_for_backward(xs, offsets, w_in, w_out, hs)
         ctx.transposed, ctx.gate, ctx.silu_gate = transposed, gate, silu_gate
-        ctx.grouped = (_GROUPED_BACKWARD and _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed)
+        ctx.grouped = (_GROUPED_BACKWARD and (not _AMX or xs.shape[0] >= w_in.shape[0])
+                       and _grouped_ok(xs, w_in, b_in, w_out, b_out, transposed)
                        and not (_own_products(xs, w_in) and _own_products(xs, w_out)))
         return ys
 
@@ -604,10 +605,13 @@ class _Experts(torch.autograd.Function):
         return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None, None
 
 
-# With AMX too: Mixtral's and Qwen3-MoE's blocks (bench_moe's, bf16, two threads, a Xeon with
-# AMX), forward+backward, ms, block by block / grouped, alternated in one process, 9 rounds:
-# Mixtral 55.6 / 56.6, 91.5 / 88.6, 158.1 / 162.2, 321.5 / 325.1 at 1, 64, 512, 2048 tokens;
-# Qwen3-MoE 85.4 / 89.4, 179.5 / 176.1, 239.5 / 220.0, 454.8 / 416.8. Tests set it to run the loop.
+# With AMX too, from as many (token, expert) pairs as experts: Mixtral's and Qwen3-MoE's blocks
+# (bench_moe's, bf16, two threads, a Xeon with AMX), forward+backward, ms, block by block /
+# grouped, alternated in one process, 9 to 25 rounds: Mixtral 56.6 / 55.6, 91.5 / 88.6, 158.1 /
+# 162.2, 321.5 / 325.1 at 1, 64, 512, 2048 tokens; Qwen3-MoE 179.5-180.4 / 176.1-177.6, 239.5 /
+# 220.0, 454.8 / 416.8 at 64, 512, 2048 tokens, but 82.3-85.4 / 89.1-89.4 at one token (8 pairs,
+# 128 experts), where the grouped products also write the idle experts' zero gradients.
+# Tests set it False to run the loop.
 _GROUPED_BACKWARD = True
 
 
