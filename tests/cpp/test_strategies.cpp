@@ -882,7 +882,7 @@ TEST(Strategies, GatherBitsAreOneRoundedProductWhateverTheSplit) {
   for (DType t : kDtypes)
     for (IndexType it : kItypes)
       for (bool weighted : {false, true})
-        for (int64_t d : {1, 2, 4, 7, 8, 16, 32, 64, 300})
+        for (int64_t d : {1, 2, 4, 7, 8, 16, 32, 64, 128, 256, 300})  // rows of 2 B to 2 KiB
           for (int64_t k : {1, 3, 500}) {
             std::mt19937_64 rng(seed++);
             const int64_t n = 40;
