@@ -226,3 +226,30 @@ def test_traced_graphs_keep_autograd_and_the_version_bump(sa):
     tr = torch.jit.trace(lambda a, i, w: sa.gather(a, i, weight=w), (x, idx, w))
     tr(gx, idx, w).sum().backward()
     assert gx.grad is not None and torch.allclose(gx.grad, torch.zeros(n, d).index_add_(0, idx, w[:, None].expand(k, d)))
+
+
+@pytest.mark.parametrize("op", ["gather", "index_add"])
+def test_unweighted_backward_needs_no_value_of_its_operand(sa, op):
+    """An unweighted gather's input, or index_add's src, changed in place after the call: the
+    backward needs no value of it, so it runs (as torch's index_select / index_add backwards do,
+    and transformers' eager experts around ours) and gives the gradient; weighted, the weight's
+    gradient needs it, and autograd raises as it does for torch."""
+    index = torch.tensor([2, 0, 2])
+    g = torch.arange(6.0).reshape(3, 2)
+    for weighted in (False, True):
+        leaf = torch.ones(3, 2, requires_grad=True)
+        w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True) if weighted else None
+        x = leaf * 1  # not a leaf: may change in place
+        if op == "gather":
+            out, ref = sa.gather(x, index, weight=w), torch.index_select(x, 0, index)
+        else:
+            out, ref = sa.index_add(torch.zeros(3, 2), index, x, weight=w), torch.zeros(3, 2).index_add(0, index, x)
+        ref.backward(g, retain_graph=True)
+        want, leaf.grad = leaf.grad, None
+        x.add_(1)
+        if weighted:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.backward(g)
+            continue
+        out.backward(g)
+        assert torch.equal(leaf.grad, want)

@@ -128,9 +128,12 @@ class _IndexAddRule:
         input, index, src, weight, ignore_index = inputs
         ctx.ignore_index = ignore_index
         ctx.has_weight = weight is not None
-        ctx.input_shape = input.shape
-        ctx.save_for_backward(index, src, weight)
-        ctx.save_for_forward(index, src, weight)
+        ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
+        # src only for the weight's gradient: unweighted, an in-place change of src after the call
+        # does not stop the backward (as torch's index_add_), and src is not kept alive for it
+        keep = src if weight is not None else None
+        ctx.save_for_backward(index, keep, weight)
+        ctx.save_for_forward(index, keep, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -147,7 +150,7 @@ class _IndexAddRule:
     def jvp(ctx, t_input, t_index, t_src, t_weight, t_ignore):
         # d(out) = d(input) + index_add(d(src) * weight) + index_add(src * d(weight))
         index, src, weight = ctx.saved_tensors
-        t = t_input if t_input is not None else src.new_zeros(ctx.input_shape)
+        t = t_input if t_input is not None else index.new_zeros(ctx.input_shape, dtype=ctx.input_dtype)
         if t_src is not None:
             t = _index_add(t, index, t_src, weight, ctx.ignore_index)
         if t_weight is not None and ctx.has_weight:
@@ -168,8 +171,11 @@ class _GatherRule:
         input, index, weight, ignore_index = inputs
         ctx.ignore_index = ignore_index
         ctx.has_weight = weight is not None
-        ctx.save_for_backward(input, index, weight)
-        ctx.save_for_forward(input, index, weight)
+        ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
+        # input only for the weight's gradient (as index_add's src above)
+        keep = input if weight is not None else None
+        ctx.save_for_backward(keep, index, weight)
+        ctx.save_for_forward(keep, index, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -177,7 +183,8 @@ class _GatherRule:
         need_input, _, need_weight, _ = ctx.needs_input_grad
         grad_input = None
         if need_input:
-            grad_input = _index_add(torch.zeros_like(input), index, grad.to(input.dtype), weight, ctx.ignore_index)
+            grad_input = _index_add(grad.new_zeros(ctx.input_shape, dtype=ctx.input_dtype), index,
+                                    grad.to(ctx.input_dtype), weight, ctx.ignore_index)
         grad_weight = None
         if need_weight and ctx.has_weight:
             grad_weight = _gathered_row_dot(input, index, ctx.ignore_index, grad, weight.dtype)
@@ -193,7 +200,7 @@ class _GatherRule:
         if t_weight is not None and ctx.has_weight:
             tw = _gather(input, index, t_weight, ctx.ignore_index)
             t = tw if t is None else t + tw
-        return t if t is not None else input.new_zeros((index.shape[0], input.shape[1]))
+        return t if t is not None else index.new_zeros((index.shape[0], ctx.input_shape[1]), dtype=ctx.input_dtype)
 
 
 class _ScatterAddRule:
@@ -225,11 +232,11 @@ class _ScatterAddRule:
         index, src, weight = ctx.saved_tensors
         t = t_input
         if t_src is not None:
-            t = _index_add(t if t is not None else src.new_zeros(ctx.input_shape), index, t_src, weight,
-                           ctx.ignore_index)
+            t = _index_add(t if t is not None else index.new_zeros(ctx.input_shape, dtype=ctx.input_dtype), index,
+                           t_src, weight, ctx.ignore_index)
         if t_weight is not None and ctx.has_weight:
-            t = _index_add(t if t is not None else src.new_zeros(ctx.input_shape), index, src, t_weight,
-                           ctx.ignore_index)
+            t = _index_add(t if t is not None else index.new_zeros(ctx.input_shape, dtype=ctx.input_dtype), index,
+                           src, t_weight, ctx.ignore_index)
         if t_input is None:
             return t
         if t is t_input:  # nothing added: the update is the identity on it, still made in place
