@@ -4,6 +4,7 @@ experts loop: logits, every gradient, bf16 error against float64, bitwise result
 counts, greedy generation, torch.compile, expert-parallel sentinels, the decorator's other flags
 (no gate, post-expert norm) and bad input."""
 import copy
+import functools
 import subprocess
 import sys
 
@@ -156,17 +157,23 @@ def test_gradients_match_eager(sa, name, model, forms):
     assert checked == sum(len(list(e.parameters())) for e in experts_modules(eager))
 
 
-def test_double_backward_raises(sa, name, forms):
+@pytest.mark.parametrize("incoming", ["constant", "with_graph"])
+def test_double_backward_raises(sa, name, forms, incoming):
     """A second derivative through the experts (a gradient penalty) is not supported: it raises,
-    on either backward path, rather than returning the part of the graph the first one kept."""
+    on either backward path, rather than returning the part of the graph the first one kept; also
+    where the gradient reaching the experts is a constant (a loss linear in their output, constant
+    routing weights) while another term gives the first gradient a graph (eager's second
+    derivative differs from that term's alone here, so a result would be wrong)."""
     m = build("mixtral")
     ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(4))
     ex.config._experts_implementation = name
     try:
         x = h.clone().requires_grad_(True)
-        (gx,) = torch.autograd.grad((ex(x, idx, w) * torch.randn(h.shape, generator=torch.Generator().manual_seed(4))).sum(),
-                                    x, create_graph=True)
-        with pytest.raises(RuntimeError):
+        w = w.clone().requires_grad_(incoming == "with_graph")
+        (gx,) = torch.autograd.grad(((ex(x, idx, w) + x.square()) * probe).sum(), x, create_graph=True)
+        assert gx.requires_grad
+        with pytest.raises(RuntimeError, match="no double backward"):
             gx.square().sum().backward()
     finally:
         ex.config._experts_implementation = "eager"
@@ -564,7 +571,8 @@ def test_default_gate_is_recognised(sa, model):
                  lambda: setting(act, "forward", lambda x: 2 * torch.nn.functional.silu(x)),
                  lambda: setting(type(act), "forward", lambda self, x: 2 * torch.nn.functional.silu(x)),
                  lambda: setting(ex, "act_fn", torch.nn.GELU()),
-                 lambda: setting(ex, "act_fn", torch.nn.SiLU(inplace=True))):
+                 lambda: setting(ex, "act_fn", torch.nn.SiLU(inplace=True)),
+                 lambda: setting(torch.nn.functional, "silu", doubled_silu())):
         undo = undo()
         try:
             assert not sa.moe._silu_gate(ex)
@@ -573,6 +581,40 @@ def test_default_gate_is_recognised(sa, model):
         assert sa.moe._silu_gate(ex)
     ex.act_fn = torch.nn.SiLU()
     assert sa.moe._silu_gate(ex)
+
+
+def doubled_silu():
+    """2 * silu, in torch.nn.functional.silu's name (functools.wraps): what the activations
+    compute once it replaces torch's."""
+    real = torch.nn.functional.silu
+
+    @functools.wraps(real)
+    def silu(x, inplace=False):
+        return 2 * real(x)
+    return silu
+
+
+@pytest.mark.parametrize("act", ["config", "nn.SiLU"])
+def test_replaced_silu_gets_its_own_gradients(sa, name, monkeypatch, act):
+    """With torch.nn.functional.silu replaced (which transformers' SiLUActivation and nn.SiLU
+    call at each call), the experts' gradients are those of what the forward computed, as
+    eager's: the written-out derivative of torch's silu does not run."""
+    eager = build("mixtral")
+    if act == "nn.SiLU":
+        for ex in experts_modules(eager):
+            ex.act_fn = torch.nn.SiLU()
+    ours = with_impl(eager, name)
+    monkeypatch.setattr(torch.nn.functional, "silu", doubled_silu())
+    ids = tokens()
+    probe = torch.randn(ids.shape + (COMMON["vocab_size"],), generator=torch.Generator().manual_seed(3))
+    for m in (eager, ours):
+        (m(ids).logits * probe).sum().backward()
+    ours_params = dict(ours.named_parameters())
+    for pname, p in eager.named_parameters():
+        if ".experts." in pname:
+            scale = p.grad.abs().max().item()
+            torch.testing.assert_close(ours_params[pname].grad, p.grad, rtol=1e-4, atol=3e-6 * scale,
+                                       msg=lambda m: f"{pname}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -633,6 +675,36 @@ def test_bad_input_names_the_argument(sa, name):
         f(ex, h[None], idx, w)
     with pytest.raises(TypeError, match=r"top_k_index.*float"):
         f(ex, h, idx.float(), w)
+    # compiled, the negative id is caught when the graph runs, not routed to expert 0
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda hs, i, tw: f(ex, hs, i, tw), fullgraph=True)
+    torch.testing.assert_close(compiled(h, idx, w), f(ex, h, idx, w))
+    with pytest.raises(RuntimeError, match=r"top_k_index must hold expert ids >= 0"):
+        compiled(h, bad, w)
+
+
+@pytest.mark.parametrize("where", ["hidden_states", "weights"])
+def test_forward_mode_ad_raises(sa, name, where):
+    """Dual tensors (forward-mode AD, torch.func.jvp) are refused with a clear error, with or
+    without grad mode: the products write into given memory, where a tangent would be dropped
+    (it was, silently, on this library's own products)."""
+    import torch.autograd.forward_ad as fwad
+    m = build("mixtral")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.config._experts_implementation = name
+    try:
+        for grad in (False, True):
+            with fwad.dual_level(), torch.set_grad_enabled(grad), pytest.raises(NotImplementedError, match="forward-mode AD"):
+                if where == "hidden_states":
+                    ex(fwad.make_dual(h, torch.ones_like(h)), idx, w)
+                else:
+                    with torch.nn.utils.stateless._reparametrize_module(
+                            ex, {"gate_up_proj": fwad.make_dual(ex.gate_up_proj.detach(), torch.ones_like(ex.gate_up_proj))}):
+                        ex(h, idx, w)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(lambda x: ex(x, idx, w), (h,), (torch.ones_like(h),))
+    finally:
+        ex.config._experts_implementation = "eager"
 
 
 def test_no_tokens(sa, name):

@@ -46,6 +46,8 @@ block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_product
 whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call per product
 (_small_grouped), with the same bits.
 """
+import functools
+import os
 import sys
 from typing import List, Optional
 
@@ -205,8 +207,9 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     outgrows the repacking (out * in) at about m = in / 16. Measured per product (plain time over
     swapped, one thread): Mixtral's up (in 1024) 1.2-1.4x at 2 to 64 rows, down (in 3584)
     1.2-1.8x up to 128; Qwen3-MoE's up (in 1024) 1.3-1.75x at 2 to 16 rows, 1.03x at 64, 0.89x at
-    128, down (in 384) 1.2-1.5x at 2 to 8 rows, 0.6-0.7x from 32. The training path does not
-    swap: its backward would pay transposing copies. One row: a matrix-vector product (about
+    128, down (in 384) 1.2-1.5x at 2 to 8 rows, 0.6-0.7x from 32. The training forward swaps
+    alike (its result lands in the kept pre-activations either way); the backward's products
+    (_grad_input, _linear_backward) do not swap: they would pay transposing copies. One row: a matrix-vector product (about
     1.7x faster than a one-row matrix product there).
 
     All of that was measured on a Xeon with AMX, in bf16 (other dtypes take the same forms).
@@ -506,12 +509,12 @@ def _silu_gate(self) -> bool:
     act = getattr(self, "act_fn", None)
     forward = getattr(type(act), "forward", None)
     if type(act) is torch.nn.SiLU:
-        silu = forward is _TORCH_SILU_FORWARD and not act.inplace
+        silu = _defined_in(forward, "SiLU.forward", "torch/nn/modules/activation.py") and not act.inplace
     else:
         silu = (type(act).__name__ == "SiLUActivation" and type(act).__module__ == "transformers.activations"
-                and getattr(forward, "__qualname__", None) == "SiLUActivation.forward"
-                and getattr(forward, "__module__", None) == "transformers.activations")
-    if not silu or "forward" in vars(act):
+                and _defined_in(forward, "SiLUActivation.forward", "transformers/activations.py"))
+    # both forwards call torch.nn.functional.silu, looked up at each call: it must be torch's
+    if not silu or "forward" in vars(act) or not _defined_in(torch.nn.functional.silu, "silu", "torch/nn/functional.py"):
         return False
     hooks = torch.nn.modules.module
     return not (act._forward_hooks or act._forward_pre_hooks or act._backward_hooks or act._backward_pre_hooks
@@ -519,7 +522,12 @@ def _silu_gate(self) -> bool:
                 or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
 
 
-_TORCH_SILU_FORWARD = torch.nn.SiLU.forward
+def _defined_in(fn, qualname: str, path: str) -> bool:
+    """Whether fn is the function `qualname` whose code lies in a file ending with `path` (a
+    library's own, not a replacement, even one that copied its name with functools.wraps)."""
+    code = getattr(fn, "__code__", None)
+    return (getattr(fn, "__qualname__", None) == qualname and code is not None
+            and code.co_filename.replace(os.sep, "/").endswith(path))
 
 
 def _silu_gate_backward(h, grad_a):
@@ -538,6 +546,25 @@ def _silu_gate_backward(h, grad_a):
     torch.ops.aten.silu.out(gate, out=d_up)
     d_up.mul_(grad_a)
     return grad_h
+
+
+def _first_order(backward):
+    """torch's once_differentiable, save when a double backward raises: whenever one is recorded
+    (create_graph), where once_differentiable waits for an incoming gradient that requires grad.
+    The experts' gradients depend on their saved inputs (the weights, and through the gate's
+    second derivative the pre-activations), so with a constant incoming gradient (a loss linear in
+    the experts' output) once_differentiable handed back plain tensors, and a gradient penalty
+    silently lacked the experts' part of its second derivative."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outs
+        err = torch._C._functions.DelayedError(
+            b"scatter_add.moe: the experts' backward cannot be differentiated again (no double backward)", len(outs))
+        return err(*[None if t is None else t.detach().requires_grad_(True) for t in outs])
+    return wrapper
 
 
 class _Experts(torch.autograd.Function):
@@ -562,7 +589,7 @@ class _Experts(torch.autograd.Function):
         return ys
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward: it raises, never half a graph
+    @_first_order  # no double backward: it raises, never half a graph
     def backward(ctx, grad_ys):
         xs, offsets, w_in, w_out, hs = ctx.saved_tensors
         need_x, _, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad[:6]
@@ -753,10 +780,13 @@ def _route(top_k_index: torch.Tensor, num_experts: int):
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     expert_sorted, order = torch.sort(flat, stable=True)
-    if flat.numel() and not torch.compiler.is_compiling():
-        low = int(expert_sorted[0])
-        if low < 0:
-            raise ValueError(f"top_k_index must hold expert ids >= 0, got {low}")
+    if flat.numel():
+        if torch.compiler.is_compiling():  # checked when the graph runs (RuntimeError), no break
+            torch._assert_async(expert_sorted[0] >= 0, "top_k_index must hold expert ids >= 0")
+        else:
+            low = int(expert_sorted[0])
+            if low < 0:
+                raise ValueError(f"top_k_index must hold expert ids >= 0, got {low}")
     token = torch.div(order, k, rounding_mode="floor")
     token = torch.where(expert_sorted < num_experts, token, torch.full_like(token, _IGNORE))
     bounds = torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype)
@@ -794,6 +824,13 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     compiling = torch.compiler.is_compiling()
     grad = torch.is_grad_enabled()
     weights = (w_in, b_in, w_out, b_out)
+    if torch.autograd.forward_ad._current_level >= 0 and any(
+            t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+            for t in (hidden_states, top_k_weights, *weights)):
+        # the products write into given memory (out=, this library's own products), where a
+        # tangent would be dropped without a word
+        raise NotImplementedError("scatter_add.moe: forward-mode AD (dual tensors) is not supported by this experts "
+                                  "implementation; use 'eager' for it")
     recording = grad and any(t is not None and t.requires_grad for t in (hidden_states, *weights))
     graph = compiling or (grad and _gate_has_parameters(self, weights))
     if not graph and not recording:  # nothing to differentiate: each group gathers its own rows
