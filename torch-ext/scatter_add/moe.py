@@ -30,7 +30,10 @@ over the gate otherwise), by torch's grouped products where they apply, else blo
 in bf16 where torch has no oneDNN bf16 product (AVX2 CPUs), block by block with this library's
 small_matmul / small_matmul_nn (see _own_products).
 Under torch.compile the products are two opaque grouped ops
-and the gate is traced, so a block compiles to one graph. transformers is imported only by
+and the gate is traced, so a block compiles to one graph. Under torch.autocast the expert weights
+and biases are cast to its dtype (as F.linear's are) and the products, gate and biases run in it;
+GPT-OSS's eager adds its biases in float32 after each product, so there ours is about twice as
+far from float64 (bf16's level either way). transformers is imported only by
 `register`.
 
 Threads: the routing, the dispatch, the combine and the order of the expert blocks do not depend
@@ -46,6 +49,7 @@ block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_product
 whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call per product
 (_small_grouped), with the same bits.
 """
+import contextlib
 import functools
 import os
 import sys
@@ -833,12 +837,23 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                                   "implementation; use 'eager' for it")
     recording = grad and any(t is not None and t.requires_grad for t in (hidden_states, *weights))
     graph = compiling or (grad and _gate_has_parameters(self, weights))
-    if not graph and not recording:  # nothing to differentiate: each group gathers its own rows
-        ys = _experts_loop(hidden_states, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=token)
-    else:
-        xs = gather(hidden_states, token, ignore_index=_IGNORE).to(w_in.dtype)
-        args = (xs, offsets, w_in, b_in, w_out, b_out, transposed, gate)
-        ys = _experts_graph(*args) if graph else _Experts.apply(*args, _silu_gate(self))
+    device = hidden_states.device.type
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:
+        # As eager's per-expert F.linear under autocast: the products in autocast's dtype, with
+        # the weights cast as autocast casts them (floating, not float64; differentiably), then
+        # autocast off for the loop, whose products write into given memory, which autocast
+        # does not reach (they ran in float32, and the swapped ones in its dtype).
+        low = torch.get_autocast_dtype(device)
+        w_in, b_in, w_out, b_out = (t.to(low) if t is not None and t.is_floating_point() and t.dtype != torch.float64
+                                    else t for t in weights)
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+        if not graph and not recording:  # nothing to differentiate: each group gathers its own rows
+            ys = _experts_loop(hidden_states, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=token)
+        else:
+            xs = gather(hidden_states, token, ignore_index=_IGNORE).to(w_in.dtype)
+            args = (xs, offsets, w_in, b_in, w_out, b_out, transposed, gate)
+            ys = _experts_graph(*args) if graph else _Experts.apply(*args, _silu_gate(self))
     if self.has_post_expert_norm:
         ys = self.post_expert_norm(ys)
     ys = ys.to(hidden_states.dtype)
