@@ -581,6 +581,21 @@ def test_default_gate_is_recognised(sa, model):
         assert sa.moe._silu_gate(ex)
     ex.act_fn = torch.nn.SiLU()
     assert sa.moe._silu_gate(ex)
+    # a mode may change what silu computes (a TorchFunctionMode, a TorchDispatchMode)
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class PassingDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    for mode in (Passing, PassingDispatch):
+        with mode():
+            assert not sa.moe._silu_gate(ex)
+    assert sa.moe._silu_gate(ex)
 
 
 def doubled_silu():
@@ -752,6 +767,17 @@ def test_autocast_with_an_activation_that_has_float32_parameters(sa, name, cast,
     torch.testing.assert_close(go, ge, rtol=0.05, atol=0.05 * ge.abs().max().item())
 
 
+class ScaledSiLU(torch.nn.Module):
+    """An activation with a parameter: silu(x) * scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor([1.5]))
+
+    def forward(self, x):
+        return torch.nn.functional.silu(x) * self.scale
+
+
 @pytest.mark.parametrize("where", ["hidden_states", "weights"])
 def test_forward_mode_ad_raises(sa, name, where):
     """Dual tensors (forward-mode AD, torch.func.jvp) are refused with a clear error, with or
@@ -772,6 +798,13 @@ def test_forward_mode_ad_raises(sa, name, where):
                         ex(h, idx, w)
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             torch.func.jvp(lambda x: ex(x, idx, w), (h,), (torch.ones_like(h),))
+        # a tangent on a parameter of the activation (one with parameters, as xIELU has)
+        ex.act_fn = ScaledSiLU()
+        for grad in (False, True):
+            with fwad.dual_level(), torch.set_grad_enabled(grad), pytest.raises(NotImplementedError, match="forward-mode AD"):
+                with torch.nn.utils.stateless._reparametrize_module(
+                        ex, {"act_fn.scale": fwad.make_dual(ex.act_fn.scale.detach(), torch.ones_like(ex.act_fn.scale))}):
+                    ex(h, idx, w)
     finally:
         ex.config._experts_implementation = "eager"
 
