@@ -34,8 +34,8 @@ and the gate is traced, so a block compiles to one graph. Under torch.autocast t
 biases of the experts that run are cast to its dtype (as F.linear's are) and the products, gate
 and biases run in it, where those experts get enough rows to pay for the casts (see
 _autocast_operands); GPT-OSS's eager adds its biases in float32 after each product, so there
-ours is about twice as far from float64 (bf16's level either way). transformers is imported only by
-`register`.
+ours is about twice as far from float64 (bf16's level either way). transformers is imported
+only by `register`.
 
 Threads: the routing, the dispatch, the combine and the order of the expert blocks do not depend
 on the thread count. The expert products are torch's matrix products, and those are not always
@@ -214,8 +214,8 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     1.2-1.8x up to 128; Qwen3-MoE's up (in 1024) 1.3-1.75x at 2 to 16 rows, 1.03x at 64, 0.89x at
     128, down (in 384) 1.2-1.5x at 2 to 8 rows, 0.6-0.7x from 32. The training forward swaps
     alike (its result lands in the kept pre-activations either way); the backward's products
-    (_grad_input, _linear_backward) do not swap: they would pay transposing copies. One row: a matrix-vector product (about
-    1.7x faster than a one-row matrix product there).
+    (_grad_input, _linear_backward) do not swap: they would pay transposing copies. One row: a
+    matrix-vector product (about 1.7x faster than a one-row matrix product there).
 
     All of that was measured on a Xeon with AMX, in bf16 (other dtypes take the same forms).
     Without AMX (an EPYC with AVX-512 BF16, bf16, two threads, ms per product, plain / swapped /
@@ -845,7 +845,7 @@ def _autocast_operands(offsets, weights, gate, device, compiling):
     if not compiling:
         ends = offsets.tolist()
         hit = [e for e, end in enumerate(ends) if end > (ends[e - 1] if e else 0)]
-        if (ends[-1] if ends else 0) < _AUTOCAST_MIN_ROWS * len(hit):
+        if not hit or ends[-1] < _AUTOCAST_MIN_ROWS * len(hit):
             return (offsets, *weights, gate)
         if len(hit) < len(ends):
             picked = torch.tensor(hit, dtype=torch.long, device=offsets.device)
