@@ -116,6 +116,12 @@ def _gathered_row_dot(table: torch.Tensor, index: torch.Tensor, ignore_index, ro
     return out
 
 
+def _zeros_of_input(ctx, like: torch.Tensor) -> torch.Tensor:
+    """Zeros of the shape and dtype of the op's input (kept in ctx: the tensor itself is not
+    saved), on like's device."""
+    return like.new_zeros(ctx.input_shape, dtype=ctx.input_dtype)
+
+
 class _IndexAddRule:
     """out = input with weight[i] * src[i] added to row index[i]: forward, backward and jvp."""
 
@@ -150,7 +156,7 @@ class _IndexAddRule:
     def jvp(ctx, t_input, t_index, t_src, t_weight, t_ignore):
         # d(out) = d(input) + index_add(d(src) * weight) + index_add(src * d(weight))
         index, src, weight = ctx.saved_tensors
-        t = t_input if t_input is not None else index.new_zeros(ctx.input_shape, dtype=ctx.input_dtype)
+        t = t_input if t_input is not None else _zeros_of_input(ctx, index)
         if t_src is not None:
             t = _index_add(t, index, t_src, weight, ctx.ignore_index)
         if t_weight is not None and ctx.has_weight:
@@ -183,8 +189,8 @@ class _GatherRule:
         need_input, _, need_weight, _ = ctx.needs_input_grad
         grad_input = None
         if need_input:
-            grad_input = _index_add(grad.new_zeros(ctx.input_shape, dtype=ctx.input_dtype), index,
-                                    grad.to(ctx.input_dtype), weight, ctx.ignore_index)
+            grad_input = _index_add(_zeros_of_input(ctx, grad), index, grad.to(ctx.input_dtype), weight,
+                                    ctx.ignore_index)
         grad_weight = None
         if need_weight and ctx.has_weight:
             grad_weight = _gathered_row_dot(input, index, ctx.ignore_index, grad, weight.dtype)
@@ -232,11 +238,11 @@ class _ScatterAddRule:
         index, src, weight = ctx.saved_tensors
         t = t_input
         if t_src is not None:
-            t = _index_add(t if t is not None else index.new_zeros(ctx.input_shape, dtype=ctx.input_dtype), index,
-                           t_src, weight, ctx.ignore_index)
+            t = _index_add(t if t is not None else _zeros_of_input(ctx, index), index, t_src, weight,
+                           ctx.ignore_index)
         if t_weight is not None and ctx.has_weight:
-            t = _index_add(t if t is not None else index.new_zeros(ctx.input_shape, dtype=ctx.input_dtype), index,
-                           src, t_weight, ctx.ignore_index)
+            t = _index_add(t if t is not None else _zeros_of_input(ctx, index), index, src, t_weight,
+                           ctx.ignore_index)
         if t_input is None:
             return t
         if t is t_input:  # nothing added: the update is the identity on it, still made in place
