@@ -742,6 +742,30 @@ def test_autocast(sa, name, model, forms, cast, monkeypatch):
             assert o < 1e-5 < e or key == "down_proj_bias", (key, o, e)
 
 
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_autocast_inference_casts_group_by_group_with_the_same_bits(sa, name, model, monkeypatch):
+    """Without grad, under autocast, the loop casts each group's weights as it comes: the output
+    has the bits of the training forward, which casts every expert that runs up front (the
+    plain forms: with AMX the training forward leaves out the swapped grouped products), and is
+    as close to float64 as eager's under the same autocast."""
+    monkeypatch.setattr(sa.moe, "_AUTOCAST_MIN_ROWS", 0)
+    monkeypatch.setattr(sa.moe, "_AMX", False)
+    ex, (h, idx, w) = capture_experts_inputs(build(model), tokens())
+    with torch.no_grad():
+        ref = copy.deepcopy(ex).double()(h.double(), idx, w.double())
+    outs = {}
+    for impl, grad in (("eager", False), (name, False), (name, True)):
+        ex.config._experts_implementation = impl
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[impl, grad] = ex(h.clone().requires_grad_(grad), idx, w).detach()
+    ex.config._experts_implementation = "eager"
+    assert torch.equal(outs[name, False], outs[name, True])
+
+    def err(a):
+        return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+    assert 1e-4 < err(outs[name, False]) <= 2 * err(outs["eager", False])
+
+
 @pytest.mark.parametrize("cast", [True, False], ids=["cast", "few_rows"])
 def test_autocast_with_an_activation_that_has_float32_parameters(sa, name, cast, monkeypatch):
     """transformers' xIELU has float32 parameters, which promote the gate's bf16 output to float32

@@ -338,7 +338,7 @@ def _gate_groups(blocks, width):
     return groups
 
 
-def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=None, hs=None):
+def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=None, hs=None, cast=None):
     """ys [S, out] without autograd. Rows past the last block (sentinels) are zero. xs holds the
     S pairs' rows; or, with token (the token of each pair, -1 for sentinels), xs is the hidden
     states, and each group's rows are gathered as the group comes (see below). With hs ([S, in_out],
@@ -366,19 +366,30 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     the copy (a gather of those rows took 51 ms into new memory, 11.5 ms into memory in use; two
     threads). Block forwards, two threads, medians of 11 alternated (wall clock; process CPU
     time alike): Qwen3-MoE 8192 tokens 390 -> 331 ms (1.05-1.18x in four such runs), 2048 tokens
-    105 -> 100 ms, Mixtral 8192 tokens 1.1-1.37x; the same bits."""
+    105 -> 100 ms, Mixtral 8192 tokens 1.1-1.37x; the same bits.
+
+    cast (autocast, see _autocast_operands): the dtype the products run in, each group's weights
+    cast to it as the group comes, as eager casts each expert's."""
     ends = offsets.tolist()  # the one host sync of a loop
     width = _out_features(w_in, transposed)
     groups = _gate_groups(list(_blocks(ends)), width)
-    grouped = _grouped_ok(xs if token is None else xs[:0].to(w_in.dtype), w_in, b_in, w_out, b_out, transposed)
+    dtype = w_in.dtype if cast is None else cast
+    grouped = cast is None and _grouped_ok(xs if token is None else xs[:0].to(dtype), w_in, b_in, w_out, b_out,
+                                           transposed)
     rows = xs.shape[0] if token is None else token.shape[0]
-    ys = xs.new_empty(rows, _out_features(w_out, transposed), dtype=w_in.dtype)
+    ys = xs.new_empty(rows, _out_features(w_out, transposed), dtype=dtype)
     most = max((g[-1][2] - g[0][1] for g in groups), default=0)
     buf = None
     end = 0
+    weights, all_ends = (w_in, b_in, w_out, b_out), ends
     for g in groups:
         first, end = g[0][1], g[-1][2]
-        x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(w_in.dtype)
+        x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(dtype)
+        if cast is not None:  # the group's experts, numbered from 0, their weights cast
+            e0, e1 = g[0][0], g[-1][0] + 1
+            w_in, b_in, w_out, b_out = (None if t is None else t[e0:e1].to(cast) for t in weights)
+            g, ends = [(e - e0, start, stop) for e, start, stop in g], all_ends[e0:e1]
+            grouped = _grouped_ok(x, w_in, b_in, w_out, b_out, transposed)
         # The swapped grouped form (AMX) leaves its pre-activations transposed: not where hs is kept.
         if grouped and (_swap_pays(g, width) and hs is None if _AMX else
                         len(g) > 1 and not _mostly_small(g, x, w_in, b_in, transposed)):
@@ -816,7 +827,7 @@ def _gate_has_parameters(self, known) -> bool:
 _AUTOCAST_MIN_ROWS = 32  # see _autocast_operands
 
 
-def _autocast_operands(offsets, weights, gate, device, compiling):
+def _autocast_operands(offsets, weights, gate, device, compiling, loop):
     """Under torch.autocast, as eager's per-expert F.linear there: the products in autocast's
     dtype, with the weights and biases cast as autocast casts them (floating, not float64, not
     already in it; differentiably), and the loop then run with autocast off, since its products
@@ -825,7 +836,10 @@ def _autocast_operands(offsets, weights, gate, device, compiling):
     a call against eager's 4 at one token): their weights are gathered into [hit, ...] tensors
     and offsets kept for those (under torch.compile, which cannot size them, all are cast). The
     gate's output goes back to the products' dtype, as F.linear would cast it (an activation
-    with float32 parameters promotes it). Returns (offsets, w_in, b_in, w_out, b_out, gate).
+    with float32 parameters promotes it). Without grad (`loop`: the inference loop runs) the
+    weights are cast group by group inside the loop instead (its `cast`): each cast is then a few
+    MiB that the allocator hands back to the next, where one cast of every expert that runs is new
+    memory, faulted in on every call. Returns (offsets, w_in, b_in, w_out, b_out, gate, cast).
 
     Where the experts that run get fewer than _AUTOCAST_MIN_ROWS rows each on average, casting
     their weights costs more than the products save, and nothing is cast: the products run in the
@@ -834,25 +848,29 @@ def _autocast_operands(offsets, weights, gate, device, compiling):
     token 3.96 / 12.61 / 1.28, 8 tokens 26.97 / 70.69 / 10.6, 64 tokens 73.23 / 205.44 / 40.88,
     1024 tokens 126.18 / 124.1 / 117.0; Mixtral's block (8 experts, 1024 x 3584, top-2) 1 token
     10.52 / 41.36 / 2.82, 64 tokens 42.57 / 81.22 / 29.91, 256 tokens 54.6 / 96.32 / 77.48, 1024
-    tokens 76.33 / 117.98 / 190.17. Casting stays slower than eager's casts of one expert at a
-    time: its copies of every expert that runs are new memory on each call, faulted in."""
+    tokens 76.33 / 117.98 / 190.17, when every expert that ran was cast up front, new memory
+    faulted in on each call. Cast group by group in the loop (`loop`), eager / ours, from 32 rows
+    per expert: Qwen3-MoE-like 256 tokens 81.16 / 54.01, 1024 tokens 117.04 / 76.76; Mixtral 256
+    tokens 49.11 / 49.61, 1024 tokens 65.14 / 70.21. A training call still casts up front."""
     low = torch.get_autocast_dtype(device)
 
     def eligible(t):
         return t is not None and t.is_floating_point() and t.dtype not in (torch.float64, low)
     if not any(eligible(t) for t in weights):
-        return (offsets, *weights, gate)
+        return (offsets, *weights, gate, None)
     if not compiling:
         ends = offsets.tolist()
         hit = [e for e, end in enumerate(ends) if end > (ends[e - 1] if e else 0)]
         if not hit or ends[-1] < _AUTOCAST_MIN_ROWS * len(hit):
-            return (offsets, *weights, gate)
+            return (offsets, *weights, gate, None)
+        if loop and all(t is None or eligible(t) for t in weights):
+            return (offsets, *weights, lambda h: gate(h).to(h.dtype), low)
         if len(hit) < len(ends):
             picked = torch.tensor(hit, dtype=torch.long, device=offsets.device)
             offsets = offsets.index_select(0, picked)
             weights = tuple(None if t is None else t.index_select(0, picked) for t in weights)
     cast = tuple(t.to(low) if eligible(t) else t for t in weights)
-    return (offsets, *cast, lambda h: gate(h).to(h.dtype))
+    return (offsets, *cast, lambda h: gate(h).to(h.dtype), None)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -885,11 +903,15 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     graph = compiling or (grad and _gate_has_parameters(self, weights))
     device = hidden_states.device.type
     autocast = torch.is_autocast_enabled(device)
+    loop = not graph and not recording  # nothing to differentiate: each group gathers its own rows
+    cast = None
     if autocast:
-        offsets, w_in, b_in, w_out, b_out, gate = _autocast_operands(offsets, weights, gate, device, compiling)
+        offsets, w_in, b_in, w_out, b_out, gate, cast = _autocast_operands(offsets, weights, gate, device, compiling,
+                                                                           loop)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        if not graph and not recording:  # nothing to differentiate: each group gathers its own rows
-            ys = _experts_loop(hidden_states, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=token)
+        if loop:
+            ys = _experts_loop(hidden_states, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=token,
+                               cast=cast)
         else:
             xs = gather(hidden_states, token, ignore_index=_IGNORE).to(w_in.dtype)
             args = (xs, offsets, w_in, b_in, w_out, b_out, transposed, gate)
