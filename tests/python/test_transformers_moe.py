@@ -5,8 +5,12 @@ counts, greedy generation, torch.compile, expert-parallel sentinels, the decorat
 (no gate, post-expert norm) and bad input."""
 import copy
 import functools
+import os
 import subprocess
 import sys
+import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -330,6 +334,220 @@ def test_bitwise_identical_for_1_and_2_threads(sa, name, model, forms):
 
     a, b = outputs_per_thread_count(lambda: with_impl(build(model, torch.bfloat16), name), train)
     assert bitwise_equal(a, b)
+
+
+@pytest.fixture
+def teams(sa, monkeypatch):
+    """The expert blocks split over teams of threads on the tiny models: every block its own gate
+    group, any rows per block, two intra-op threads. Yields a count of the calls that ran on the
+    team threads."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1)
+    monkeypatch.setattr(moe, "_TEAM_MIN_ROWS", 1)
+    runs = {"n": 0}
+    real = moe._TeamPool.run
+
+    def counted(self, fns):
+        runs["n"] += 1
+        return real(self, fns)
+    monkeypatch.setattr(moe._TeamPool, "run", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield runs
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_teams_match_eager(sa, name, model, forms, teams):
+    """With the blocks split over teams: float32 logits and every gradient as eager's."""
+    test_logits_match_eager_float32(sa, name, model, forms)
+    forward = teams["n"]
+    assert forward > 0
+    test_gradients_match_eager(sa, name, model, forms)
+    assert teams["n"] > 2 * forward  # the training forward and the backward's passes ran on them too
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_teams_give_the_bits_of_one_thread(sa, name, model, forms, teams):
+    """Two teams of one intra-op thread each run every product as one thread does: the experts'
+    output (no grad, and training) and every gradient (input, routing weights, each expert weight
+    and bias) are bitwise those of a one-thread run, where without teams two-thread products may
+    differ in the last bit. A bf16 model wide enough (hidden 512) for torch's products to split
+    over threads."""
+    m = build(model, torch.bfloat16, wide=True)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=64, batch=3))
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    ex.config._experts_implementation = name
+
+    def run():
+        ex.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            infer = ex(h, idx, w)
+        x, wt = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = ex(x, idx, wt)
+        (y.float() * probe).sum().backward()
+        return [infer, y.detach(), x.grad, wt.grad] + [p.grad for p in ex.parameters()]
+    torch.set_num_threads(1)
+    one = run()
+    before = teams["n"]
+    torch.set_num_threads(2)
+    two = run()
+    assert teams["n"] - before >= 3  # the forward without grad, with it, and the backward
+    assert all(t is not None for t in one)
+    assert bitwise_equal(one, two)
+
+
+def team_groups(rows=(4, 4)):
+    blocks, start = [], 0
+    for e, n in enumerate(rows):
+        blocks.append([(e, start, start + n)])
+        start += n
+    return blocks
+
+
+def test_teams_hand_errors_back_and_keep_nothing(sa, teams):
+    """An error in a part reaches the caller as raised, and the teams keep working; no part of a
+    task outlives the call on a team thread (autograd would copy a gradient something else still
+    holds); each part runs on its own team thread with one intra-op thread; a thread started
+    afterwards runs with the caller's thread count, not the teams'."""
+    moe, cpu = sa.moe, torch.device("cpu")
+
+    def fail(part):
+        if part[0][0][0] == 1:
+            raise KeyError("raised in a part")
+    with pytest.raises(KeyError, match="raised in a part"):
+        moe._teams(team_groups(), fail, cpu)
+
+    seen = []
+
+    def submit():
+        t = torch.ones(3)
+        moe._teams(team_groups(), lambda part: seen.append(
+            (part[0][0][0], threading.current_thread().name, torch.get_num_threads(), t.sum().item())), cpu)
+        return weakref.ref(t)
+    ref = submit()
+    assert ref() is None
+    assert sorted(seen) == [(0, "scatter_add.moe-team-0", 1, 3.0), (1, "scatter_add.moe-team-1", 1, 3.0)]
+    later = []
+    th = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    th.start()
+    th.join()
+    assert later == [2]
+
+
+def test_teams_off_where_they_cannot_run(sa, teams):
+    """Everything runs on the calling thread with one intra-op thread, blocks of fewer rows than
+    _TEAM_MIN_ROWS, one group, under a dispatch or torch function mode (which the team threads
+    would not see), and for a call made from within a part."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    moe, cpu = sa.moe, torch.device("cpu")
+
+    class Through(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    where = []
+
+    def note(part):
+        where.append(threading.current_thread().name)
+    moe._teams(team_groups(), note, cpu)
+    assert sorted(where) == ["scatter_add.moe-team-0", "scatter_add.moe-team-1"]
+    me = threading.current_thread().name
+    for setup in ("one thread", "few rows", "one group", "dispatch mode", "function mode", "nested"):
+        where.clear()
+        groups = [team_groups()[0]] if setup == "one group" else team_groups()
+        if setup == "one thread":
+            torch.set_num_threads(1)
+        try:
+            if setup == "few rows":
+                moe._TEAM_MIN_ROWS = 5
+            if setup == "dispatch mode":
+                with Through():
+                    moe._teams(groups, note, cpu)
+            elif setup == "function mode":
+                with torch.overrides.TorchFunctionMode():
+                    moe._teams(groups, note, cpu)
+            elif setup == "nested":
+                moe._teams(groups, lambda part: moe._teams(groups, note, cpu), cpu)
+            else:
+                moe._teams(groups, note, cpu)
+        finally:
+            torch.set_num_threads(2)
+            moe._TEAM_MIN_ROWS = 1
+        if setup == "nested":  # each part ran the whole call where it was
+            assert sorted(where) == ["scatter_add.moe-team-0", "scatter_add.moe-team-1"], setup
+        else:
+            assert where == [me], setup
+
+
+def test_teams_under_inference_mode_and_from_several_threads(sa, name, teams):
+    """Under torch.inference_mode the teams write the caller's inference tensors; calls from
+    several threads at once take the teams in turn, each with the bits of a call alone."""
+    m = build("mixtral", torch.bfloat16, wide=True)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=64, batch=3))
+    ex.config._experts_implementation = name
+    with torch.no_grad():
+        want = ex(h, idx, w)
+    before = teams["n"]
+    with torch.inference_mode():
+        got = ex(h, idx, w)
+    assert got.is_inference() and torch.equal(got, want) and teams["n"] > before
+    results, errors = [], []
+
+    def call():
+        try:
+            with torch.no_grad():
+                for _ in range(4):
+                    results.append(ex(h, idx, w))
+        except BaseException as e:  # noqa: B036
+            errors.append(e)
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and len(results) == 12
+    assert all(torch.equal(r, want) for r in results)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+def test_teams_in_a_forked_child(sa, teams):
+    """A child forked after the teams ran has none of their threads: its calls start new ones
+    (rather than wait forever on the parent's) and give the parent's bits. The expert loop is
+    called directly: torch's own parallel ops on the calling thread may hang in a forked child
+    (GNU OpenMP), whoever calls them."""
+    moe = sa.moe
+    g = torch.Generator().manual_seed(6)
+    E, H, inter = 8, 64, 96
+    w_in = torch.randn(E, 2 * inter, H, generator=g).to(torch.bfloat16)
+    w_out = torch.randn(E, H, inter, generator=g).to(torch.bfloat16)
+    xs = torch.randn(8 * 20, H, generator=g).to(torch.bfloat16)
+    ends = torch.arange(1, E + 1) * 20
+    gate = lambda h: torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]  # noqa: E731
+
+    def loop():
+        return moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    want = loop()
+    assert teams["n"] > 0
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when the call gave the parent's bits
+        code = 1
+        try:
+            code = 0 if torch.equal(loop(), want) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's call did not return")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("model", MODELS)

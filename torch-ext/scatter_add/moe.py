@@ -42,8 +42,12 @@ on the thread count. The expert products are torch's matrix products, and those 
 bitwise the same across thread counts: oneDNN (bf16) and MKL (fp32/fp64) split the reduction of
 some shapes over threads (e.g. a down projection of 45-128 rows at hidden 1024, intermediate
 3584 differs in the last bit between 1 and 2 threads), for every experts implementation alike.
-Where the products are reproducible, so is the layer. Without AMX, an expert's bfloat16
-products take this library's own products (`ops.small_matmul` / `ops.small_matmul_nn`, float32
+Where the products are reproducible, so is the layer. On a CPU with T >= 2 threads, a call
+whose blocks average 16 rows or more and fall into two gate groups or more (about a million
+pre-activations: from about 80 tokens for a Mixtral block of hidden 1024, 256 for Qwen3-MoE's
+reduced one) splits them over P teams of threads, T / P intra-op threads each (see
+_team_parts): with two threads every product then runs on one thread, and the output and
+gradients have the bits of a one-thread run. Without AMX, an expert's bfloat16 products take this library's own products (`ops.small_matmul` / `ops.small_matmul_nn`, float32
 sums, the same bits on every thread count) instead: over blocks of at most four rows (decode,
 [E, out, in] weights without bias) where torch multiplies bf16 by oneDNN, every product of every
 block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_products. A gate group
@@ -53,7 +57,9 @@ whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call 
 import contextlib
 import functools
 import os
+import queue
 import sys
+import threading
 from typing import List, Optional
 
 import torch
@@ -338,6 +344,153 @@ def _gate_groups(blocks, width):
     return groups
 
 
+# --- teams: the expert blocks split over threads ------------------------------------------------------
+# With T >= 2 intra-op threads, each expert's product is split over all of them by oneDNN / MKL.
+# Instead the gate groups are split into P = min(T, groups) contiguous parts of about equal cost,
+# each run on a worker thread with T / P intra-op threads (one each with two threads) while the
+# caller waits. Measured per call on a 2-vCPU Xeon with AMX (Mixtral's experts, 8 of 1024 x 3584,
+# bf16, every expert's two products and the gate, in one process, ms, products one after another
+# on two threads / on two threads of one thread each): 10.5 / 9.5 at one row per expert, 13.5 /
+# 12.0 at 32, 32-39 / 21.6-22.6 at 128, 95-99 / 54-57 at 512. The two-thread products vary
+# between runs on that VM (27-39 ms at 128 rows) where the teams' do not. With 128 experts of
+# 1024 x 384 (Qwen3-MoE's reduced size) the products alone are even at 32 rows and 0.9x at 128;
+# in the layer, where the teams also split the gate, the dispatch and the Python between the
+# products, they gain (docs/benchmarks.md).
+#
+# The parts are cut at group boundaries and each group's products have the forms they have
+# without teams: with one intra-op thread per team every product runs as on one thread, so the
+# layer's output and gradients have the bits of a one-thread run (the elementwise gate and its
+# derivative, left to torch's threads, gave the same bits on one and two threads at every shape
+# tried). Where blocks average fewer than _TEAM_MIN_ROWS
+# rows (decode-sized calls) the teams do not run: a training step of a Mixtral block at one token
+# took 64 ms with them against 59 without.
+
+_TEAMS = True  # tests set it False to compare
+_TEAM_ROWS_PER_EXPERT = 32  # a block costs its rows plus this many for reading its weights
+_TEAM_MIN_ROWS = 16  # rows per block, on average, below which teams do not run (see _team_parts)
+
+
+class _TeamPool:
+    """P daemon threads, each running torch with `width` intra-op threads; run(fns) runs fns[i] on
+    thread i and waits for all, raising the first error."""
+
+    def __init__(self, parts: int, width: int, threads: int):
+        self.parts, self.width, self.threads = parts, width, threads
+        self.broken = False
+        self._tasks = [queue.SimpleQueue() for _ in range(parts)]
+        self._done = queue.SimpleQueue()
+        ready = threading.Barrier(parts + 1)
+        for i in range(parts):
+            threading.Thread(target=self._work, args=(self._tasks[i], ready), daemon=True,
+                             name=f"scatter_add.moe-team-{i}").start()
+        ready.wait()
+        # torch.set_num_threads on a thread also sets the count that threads started later take
+        # when they first run an op: put the caller's back.
+        torch.set_num_threads(threads)
+
+    def _work(self, tasks, ready):
+        _team_thread.on = True
+        # A thread's first op sets its count from the last one set anywhere (torch's lazy init):
+        # let that happen now, before ours, or the caller's restore below would win.
+        torch.get_num_threads()
+        torch.set_num_threads(self.width)
+        ready.wait()
+        while True:
+            fn = tasks.get()
+            error = None
+            try:
+                fn()
+            except BaseException as e:  # noqa: B036 (handed to the caller)
+                error = e
+            # Nothing of the task may outlive it here: autograd copies a gradient that something
+            # else still holds (AccumulateGrad) where it would take it over.
+            fn = None
+            self._done.put(error)
+            error = None
+
+    def run(self, fns) -> None:
+        for tasks, fn in zip(self._tasks, fns):
+            tasks.put(fn)
+        try:
+            errors = [self._done.get() for _ in fns]
+        except BaseException:  # KeyboardInterrupt while waiting: the parts still run, their
+            self.broken = True  # reports would answer the next call; that one gets new threads
+            raise
+        for e in errors:
+            if e is not None:
+                raise e
+
+
+_team_thread = threading.local()
+_pools = {}  # (parts, width, threads) -> _TeamPool
+_pool_lock = threading.Lock()
+
+
+def _forget_pools():
+    global _pools, _pool_lock
+    _pools, _pool_lock = {}, threading.Lock()  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
+def _team_parts(groups, device):
+    """The gate groups in P contiguous parts of about equal cost (_TEAM_ROWS_PER_EXPERT), or None
+    where teams do not run: one intra-op thread, fewer than two groups, fewer than
+    _TEAM_MIN_ROWS rows per block, off the CPU, or under a torch function or dispatch mode, a
+    functorch transform or torch.jit.trace (which see the calling thread only)."""
+    threads = torch.get_num_threads()
+    if (not _TEAMS or threads < 2 or len(groups) < 2 or device.type != "cpu"
+            or groups[-1][-1][2] - groups[0][0][1] < _TEAM_MIN_ROWS * sum(len(g) for g in groups)
+            or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None):
+        return None
+    cost = [sum(stop - start + _TEAM_ROWS_PER_EXPERT for _, start, stop in g) for g in groups]
+    parts_n = min(threads, len(groups))
+    total, acc, parts, cur = sum(cost), 0, [], []
+    for g, c in zip(groups, cost):
+        # cut before g where the part so far is closer to its share than it would be with g
+        share = total * (len(parts) + 1) / parts_n
+        if cur and len(parts) < parts_n - 1 and acc + c - share > share - acc:
+            parts.append(cur)
+            cur = []
+        cur.append(g)
+        acc += c
+    parts.append(cur)
+    return parts if len(parts) > 1 else None
+
+
+def _teams(groups, run, device, parts=False) -> None:
+    """run(part) for each part of _team_parts (or the given parts), on the team threads;
+    run(groups) here where teams do not run, or on a team thread (a call from within a part).
+    Calls from several threads take the teams in turn: one that ran its parts here, with this
+    thread's intra-op threads, would give other bits."""
+    parts = None if getattr(_team_thread, "on", False) else _team_parts(groups, device) if parts is False else parts
+    if parts is None:
+        run(groups)
+        return
+    lock = _pool_lock
+    lock.acquire()
+    try:
+        threads = torch.get_num_threads()
+        width = max(1, threads // len(parts))
+        key = (len(parts), width, threads)
+        pool = _pools.get(key)
+        if pool is None or pool.broken:
+            pool = _pools[key] = _TeamPool(*key)
+        inference = torch.is_inference_mode_enabled()
+
+        def task(part):
+            def fn():
+                with torch.inference_mode(inference), torch.no_grad():
+                    run(part)
+            return fn
+        pool.run([task(p) for p in parts])
+    finally:
+        lock.release()
+
+
 def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token=None, hs=None, cast=None):
     """ys [S, out] without autograd. Rows past the last block (sentinels) are zero. xs holds the
     S pairs' rows; or, with token (the token of each pair, -1 for sentinels), xs is the hidden
@@ -369,7 +522,10 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     105 -> 100 ms, Mixtral 8192 tokens 1.1-1.37x; the same bits.
 
     cast (autocast, see _autocast_operands): the dtype the products run in, each group's weights
-    cast to it as the group comes, as eager casts each expert's."""
+    cast to it as the group comes, as eager casts each expert's.
+
+    With two threads or more the groups are split over teams of threads (_team_parts): the
+    groups and each group's products are the same whatever the split."""
     ends = offsets.tolist()  # the one host sync of a loop
     width = _out_features(w_in, transposed)
     groups = _gate_groups(list(_blocks(ends)), width)
@@ -378,41 +534,48 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
                                            transposed)
     rows = xs.shape[0] if token is None else token.shape[0]
     ys = xs.new_empty(rows, _out_features(w_out, transposed), dtype=dtype)
-    most = max((g[-1][2] - g[0][1] for g in groups), default=0)
-    buf = None
-    end = 0
-    weights, all_ends = (w_in, b_in, w_out, b_out), ends
-    for g in groups:
-        first, end = g[0][1], g[-1][2]
-        x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(dtype)
-        if cast is not None:  # the group's experts, numbered from 0, their weights cast
-            e0, e1 = g[0][0], g[-1][0] + 1
-            w_in, b_in, w_out, b_out = (None if t is None else t[e0:e1].to(cast) for t in weights)
-            g, ends = [(e - e0, start, stop) for e, start, stop in g], all_ends[e0:e1]
-            grouped = _grouped_ok(x, w_in, b_in, w_out, b_out, transposed)
-        # The swapped grouped form (AMX) leaves its pre-activations transposed: not where hs is kept.
-        if grouped and (_swap_pays(g, width) and hs is None if _AMX else
-                        len(g) > 1 and not _mostly_small(g, x, w_in, b_in, transposed)):
-            h_out = None if hs is None else hs[first:end]
-            ys[first:end] = (_grouped_swapped if _AMX else _grouped_plain)(x, ends, g, w_in, w_out, gate, h_out)
-            continue
-        if hs is not None:
-            buf = hs[first:]
-        elif buf is None:
-            buf = x.new_empty(most, width)
-        if not transposed and b_in is None and b_out is None:
-            offs, longest = _group_offsets(x, ends, g), max(stop - start for _, start, stop in g)
-            if _small_grouped(x, w_in, g[0][0], offs, longest, buf[:end - first]):
-                a = gate(buf[:end - first])
-                if _small_grouped(a, w_out, g[0][0], offs, longest, ys[first:end]):
-                    continue
-        for e, start, stop in g:
-            _linear(x[start - first:stop - first], w_in, e, b_in, transposed, out=buf[start - first:stop - first])
-        a = gate(buf[:end - first])
-        for e, start, stop in g:
-            _linear(a[start - first:stop - first], w_out, e, b_out, transposed, out=ys[start:stop])
-    ys[end:].zero_()
+    weights = (w_in, b_in, w_out, b_out)
+
+    def run(part):
+        most = max((g[-1][2] - g[0][1] for g in part), default=0)
+        buf = None if hs is not None else xs.new_empty(most, width, dtype=dtype)
+        for g in part:
+            _experts_group(g, xs, ends, weights, transposed, gate, token, hs, cast, grouped, width, ys, buf)
+
+    _teams(groups, run, xs.device)
+    ys[(groups[-1][-1][2] if groups else 0):].zero_()
     return ys
+
+
+def _experts_group(g, xs, ends, weights, transposed, gate, token, hs, cast, grouped, width, ys, buf):
+    """One gate group of _experts_loop: its rows of ys (and of hs, where kept)."""
+    w_in, b_in, w_out, b_out = weights
+    first, end = g[0][1], g[-1][2]
+    dtype = w_in.dtype if cast is None else cast
+    x = xs[first:end] if token is None else gather(xs, token[first:end], ignore_index=_IGNORE).to(dtype)
+    if cast is not None:  # the group's experts, numbered from 0, their weights cast
+        e0, e1 = g[0][0], g[-1][0] + 1
+        w_in, b_in, w_out, b_out = (None if t is None else t[e0:e1].to(cast) for t in weights)
+        g, ends = [(e - e0, start, stop) for e, start, stop in g], ends[e0:e1]
+        grouped = _grouped_ok(x, w_in, b_in, w_out, b_out, transposed)
+    # The swapped grouped form (AMX) leaves its pre-activations transposed: not where hs is kept.
+    if grouped and (_swap_pays(g, width) and hs is None if _AMX else
+                    len(g) > 1 and not _mostly_small(g, x, w_in, b_in, transposed)):
+        h_out = None if hs is None else hs[first:end]
+        ys[first:end] = (_grouped_swapped if _AMX else _grouped_plain)(x, ends, g, w_in, w_out, gate, h_out)
+        return
+    buf = hs[first:] if hs is not None else buf
+    if not transposed and b_in is None and b_out is None:
+        offs, longest = _group_offsets(x, ends, g), max(stop - start for _, start, stop in g)
+        if _small_grouped(x, w_in, g[0][0], offs, longest, buf[:end - first]):
+            a = gate(buf[:end - first])
+            if _small_grouped(a, w_out, g[0][0], offs, longest, ys[first:end]):
+                return
+    for e, start, stop in g:
+        _linear(x[start - first:stop - first], w_in, e, b_in, transposed, out=buf[start - first:stop - first])
+    a = gate(buf[:end - first])
+    for e, start, stop in g:
+        _linear(a[start - first:stop - first], w_out, e, b_out, transposed, out=ys[start:stop])
 
 
 # --- torch's grouped product (no grad) ---------------------------------------------------------------
@@ -616,6 +779,9 @@ class _Experts(torch.autograd.Function):
         grad_ys = grad_ys.to(xs.dtype)
         blocks = list(_blocks(offsets))
         rows = blocks[-1][2] if blocks else 0
+        # teams: every block its own part of the split (the products are those without teams)
+        every = [[b] for b in blocks]
+        parts = _team_parts(every, xs.device) if rows else None
         if ctx.silu_gate:
             h = hs[:rows]
             a = ctx.gate(h)  # no graph: backward runs without grad
@@ -631,8 +797,11 @@ class _Experts(torch.autograd.Function):
             def gate_backward(grad_a):
                 return torch.autograd.grad(a_graph, h, grad_a)[0]
         if ctx.grouped and rows:
-            return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
-                                     need_x, need_w_in, need_w_out)
+            if parts is None:
+                return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
+                                         need_x, need_w_in, need_w_out)
+            return _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gate_backward,
+                                           need_x, need_w_in, need_w_out)
         grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
         grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
         grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
@@ -640,14 +809,20 @@ class _Experts(torch.autograd.Function):
         grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
         # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
         grad_a = a.new_empty(a.shape)
-        for e, start, end in blocks:
-            _grad_input(grad_ys[start:end], w_out, e, tr, out=grad_a[start:end])
+
+        def input_grads(part):
+            for [(e, start, end)] in part:
+                _grad_input(grad_ys[start:end], w_out, e, tr, out=grad_a[start:end])
+
+        def weight_grads(part):
+            for [(e, start, end)] in part:
+                g = grad_ys[start:end]
+                _linear_backward(g, a[start:end], w_out, e, tr, None, grad_w_out, grad_b_out)
+                _linear_backward(grad_h[start:end], xs[start:end], w_in, e, tr,
+                                 grad_x[start:end] if need_x else None, grad_w_in, grad_b_in)
+        _teams(every, input_grads, xs.device, parts)
         grad_h = gate_backward(grad_a) if rows else h
-        for e, start, end in blocks:
-            g = grad_ys[start:end]
-            _linear_backward(g, a[start:end], w_out, e, tr, None, grad_w_out, grad_b_out)
-            _linear_backward(grad_h[start:end], xs[start:end], w_in, e, tr,
-                             grad_x[start:end] if need_x else None, grad_w_in, grad_b_in)
+        _teams(every, weight_grads, xs.device, parts)
         return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None, None
 
 
@@ -682,6 +857,37 @@ def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
         grad_x = torch._grouped_mm(grad_h, w_in, offs=offs)
         if rows < xs.shape[0]:  # sentinel rows: no gradient
             grad_x = torch.cat([grad_x, grad_x.new_zeros(xs.shape[0] - rows, grad_x.shape[1])])
+    return grad_x, None, grad_w_in, None, grad_w_out, None, None, None, None
+
+
+def _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gate_backward, need_x, need_w_in,
+                            need_w_out):
+    """_grouped_backward split over teams: each expert's products as torch's grouped product
+    makes them (a matrix product of the same slices of the same operands into a contiguous
+    result, so the same bits), written into gradients allocated whole."""
+    g = _operand(grad_ys[:rows])
+    grad_a = g.new_empty(rows, w_out.shape[2])
+
+    def input_grads(part):
+        for [(e, start, end)] in part:
+            torch.mm(g[start:end], w_out[e], out=grad_a[start:end])
+    _teams(every, input_grads, xs.device, parts)
+    grad_h = _operand(gate_backward(grad_a))
+    a, x = _operand(a), _operand(xs[:rows])
+    blocks = [b for [b] in every]
+    grad_w_out = _idle_zero(w_out.new_empty(w_out.shape), blocks) if need_w_out else None
+    grad_w_in = _idle_zero(w_in.new_empty(w_in.shape), blocks) if need_w_in else None
+    grad_x = _unwritten_zero(xs.new_empty(xs.shape[0], w_in.shape[2]), blocks) if need_x else None
+
+    def weight_grads(part):
+        for [(e, start, end)] in part:
+            if need_w_out:
+                torch.mm(g[start:end].t(), a[start:end], out=grad_w_out[e])
+            if need_w_in:
+                torch.mm(grad_h[start:end].t(), x[start:end], out=grad_w_in[e])
+            if need_x:
+                torch.mm(grad_h[start:end], w_in[e], out=grad_x[start:end])
+    _teams(every, weight_grads, xs.device, parts)
     return grad_x, None, grad_w_in, None, grad_w_out, None, None, None, None
 
 
