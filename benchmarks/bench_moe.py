@@ -279,15 +279,23 @@ class MoEBench:
         threads = torch.get_num_threads()
         for impl in impls:
             set_impl(cfg, impl, self.name)
+            seen = []  # the experts' inputs, as the router made them
+            hook = block.experts.register_forward_pre_hook(lambda mod, args: seen.append(args))
             with torch.no_grad():
-                out = block(x2d[:n_ref][None])[0]
+                try:
+                    out = block(x2d[:n_ref][None])[0]
+                finally:
+                    hook.remove()
+                # the experts alone at 1 and 2 threads: the router's own products may differ in
+                # the last bit between thread counts, which would hide what the experts do
+                ys = block.experts(*seen[0])
                 torch.set_num_threads(1 if threads != 1 else 2)  # the other of 1 and 2 threads
                 try:
-                    out1 = block(x2d[:n_ref][None])[0]
+                    ys1 = block.experts(*seen[0])
                 finally:
                     torch.set_num_threads(threads)
             errors[impl] = float((out.double() - ref).detach().abs().max())
-            same_1t[impl] = bool(torch.equal(out.view(torch.int16), out1.view(torch.int16)))  # 1 vs 2 threads
+            same_1t[impl] = bool(torch.equal(ys.view(torch.int16), ys1.view(torch.int16)))  # 1 vs 2 threads
         # batched_mm in rounds of its own, after the others': its per-pair copies of the expert
         # weights (up to BATCHED_MM_MAX_BYTES) leave the caches and the allocator to whatever runs
         # next, which made that call slower (Mixtral, 64 tokens, forward, two threads, ours: 13.1
@@ -394,9 +402,9 @@ class MoEBench:
         print("\n(mem) = batched_mm skipped: its per-pair copies of the expert weights would exceed 3 GiB. "
               "(slow) = eager's forward+backward skipped: it writes a full-size gradient of the expert weights per "
               "expert it runs, over 24 GiB of memory traffic here. * = one call (a call over 2 s is timed once). "
-              "ours round = fastest/slowest round of ours against its median. det = forward output on the error "
-              "tokens bitwise the same at 1 and 2 threads (eager, grouped_mm, ours: y/n; where n, torch's expert products "
-              "differ). dispatch/experts/combine = ours' time in three parts, each timed alone (ms; "
+              "ours round = fastest/slowest round of ours against its median. det = the experts' output on the error "
+              "tokens (the router's output held) bitwise the same at 1 and 2 threads (eager, grouped_mm, ours: y/n; where "
+              "n, torch's expert products differ). dispatch/experts/combine = ours' time in three parts, each timed alone (ms; "
               "forward+backward rows: each part's forward and backward).")
         self.print_goals(rows)
 

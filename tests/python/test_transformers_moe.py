@@ -397,6 +397,10 @@ def test_teams_give_the_bits_of_one_thread(sa, name, model, forms, teams):
     assert bitwise_equal(one, two)
 
 
+def run_teams(moe, groups, run):
+    moe._teams(groups, run, moe._team_parts(groups, torch.device("cpu"), 1))
+
+
 def team_groups(rows=(4, 4)):
     blocks, start = [], 0
     for e, n in enumerate(rows):
@@ -410,20 +414,20 @@ def test_teams_hand_errors_back_and_keep_nothing(sa, teams):
     task outlives the call on a team thread (autograd would copy a gradient something else still
     holds); each part runs on its own team thread with one intra-op thread; a thread started
     afterwards runs with the caller's thread count, not the teams'."""
-    moe, cpu = sa.moe, torch.device("cpu")
+    moe = sa.moe
 
     def fail(part):
         if part[0][0][0] == 1:
             raise KeyError("raised in a part")
     with pytest.raises(KeyError, match="raised in a part"):
-        moe._teams(team_groups(), fail, cpu)
+        run_teams(moe, team_groups(), fail)
 
     seen = []
 
     def submit():
         t = torch.ones(3)
-        moe._teams(team_groups(), lambda part: seen.append(
-            (part[0][0][0], threading.current_thread().name, torch.get_num_threads(), t.sum().item())), cpu)
+        run_teams(moe, team_groups(), lambda part: seen.append(
+            (part[0][0][0], threading.current_thread().name, torch.get_num_threads(), t.sum().item())))
         return weakref.ref(t)
     ref = submit()
     assert ref() is None
@@ -437,24 +441,30 @@ def test_teams_hand_errors_back_and_keep_nothing(sa, teams):
 
 def test_teams_off_where_they_cannot_run(sa, teams):
     """Everything runs on the calling thread with one intra-op thread, blocks of fewer rows than
-    _TEAM_MIN_ROWS, one group, under a dispatch or torch function mode (which the team threads
-    would not see), and for a call made from within a part."""
+    _TEAM_MIN_ROWS, a group larger than _TEAM_MAX_GROUP_BYTES, one group, under a dispatch or
+    torch function mode (which the team threads would not see), and for a call made from within
+    a part."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    moe, cpu = sa.moe, torch.device("cpu")
+    moe = sa.moe
 
     class Through(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
+    class ThroughFunctions(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
     where = []
+    max_bytes = moe._TEAM_MAX_GROUP_BYTES
 
     def note(part):
         where.append(threading.current_thread().name)
-    moe._teams(team_groups(), note, cpu)
+    run_teams(moe, team_groups(), note)
     assert sorted(where) == ["scatter_add.moe-team-0", "scatter_add.moe-team-1"]
     me = threading.current_thread().name
-    for setup in ("one thread", "few rows", "one group", "dispatch mode", "function mode", "nested"):
+    for setup in ("one thread", "few rows", "large group", "one group", "dispatch mode", "function mode", "nested"):
         where.clear()
         groups = [team_groups()[0]] if setup == "one group" else team_groups()
         if setup == "one thread":
@@ -462,19 +472,21 @@ def test_teams_off_where_they_cannot_run(sa, teams):
         try:
             if setup == "few rows":
                 moe._TEAM_MIN_ROWS = 5
+            if setup == "large group":
+                moe._TEAM_MAX_GROUP_BYTES = 3  # rows of 4 blocks of one byte a row
             if setup == "dispatch mode":
                 with Through():
-                    moe._teams(groups, note, cpu)
+                    run_teams(moe, groups, note)
             elif setup == "function mode":
-                with torch.overrides.TorchFunctionMode():
-                    moe._teams(groups, note, cpu)
+                with ThroughFunctions():
+                    run_teams(moe, groups, note)
             elif setup == "nested":
-                moe._teams(groups, lambda part: moe._teams(groups, note, cpu), cpu)
+                run_teams(moe, groups, lambda part: run_teams(moe, groups, note))
             else:
-                moe._teams(groups, note, cpu)
+                run_teams(moe, groups, note)
         finally:
             torch.set_num_threads(2)
-            moe._TEAM_MIN_ROWS = 1
+            moe._TEAM_MIN_ROWS, moe._TEAM_MAX_GROUP_BYTES = 1, max_bytes
         if setup == "nested":  # each part ran the whole call where it was
             assert sorted(where) == ["scatter_add.moe-team-0", "scatter_add.moe-team-1"], setup
         else:

@@ -368,6 +368,8 @@ def _gate_groups(blocks, width):
 _TEAMS = True  # tests set it False to compare
 _TEAM_ROWS_PER_EXPERT = 32  # a block costs its rows plus this many for reading its weights
 _TEAM_MIN_ROWS = 16  # rows per block, on average, below which teams do not run (see _team_parts)
+_TEAM_MAX_GROUP_BYTES = 16 << 20  # pre-activations of a gate group, above which they do not
+_TEAM_MAX_SHARE = 1.25  # the largest part's cost against an equal share, above which they do not
 
 
 class _TeamPool:
@@ -435,38 +437,50 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools)
 
 
-def _team_parts(groups, device):
+def _team_parts(groups, device, row_bytes):
     """The gate groups in P contiguous parts of about equal cost (_TEAM_ROWS_PER_EXPERT), or None
     where teams do not run: one intra-op thread, fewer than two groups, fewer than
-    _TEAM_MIN_ROWS rows per block, off the CPU, or under a torch function or dispatch mode, a
-    functorch transform or torch.jit.trace (which see the calling thread only)."""
+    _TEAM_MIN_ROWS rows per block, a group of more than _TEAM_MAX_GROUP_BYTES of pre-activations
+    (row_bytes a row: a team thread's own allocations for such a group, its gate's output,
+    came from fresh pages on every call, Mixtral's block at 8192 tokens 1.03x slower), a part of
+    more than _TEAM_MAX_SHARE equal shares, off the CPU, or under a torch function or dispatch
+    mode, a functorch transform or torch.jit.trace (which see the calling thread only)."""
     threads = torch.get_num_threads()
     if (not _TEAMS or threads < 2 or len(groups) < 2 or device.type != "cpu"
             or groups[-1][-1][2] - groups[0][0][1] < _TEAM_MIN_ROWS * sum(len(g) for g in groups)
+            or max(g[-1][2] - g[0][1] for g in groups) * row_bytes > _TEAM_MAX_GROUP_BYTES
             or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None):
         return None
     cost = [sum(stop - start + _TEAM_ROWS_PER_EXPERT for _, start, stop in g) for g in groups]
     parts_n = min(threads, len(groups))
-    total, acc, parts, cur = sum(cost), 0, [], []
+    total, acc, parts, cur, costs = sum(cost), 0, [], [], [0]
     for g, c in zip(groups, cost):
         # cut before g where the part so far is closer to its share than it would be with g
         share = total * (len(parts) + 1) / parts_n
         if cur and len(parts) < parts_n - 1 and acc + c - share > share - acc:
             parts.append(cur)
             cur = []
+            costs.append(0)
         cur.append(g)
         acc += c
+        costs[-1] += c
     parts.append(cur)
-    return parts if len(parts) > 1 else None
+    if len(parts) < 2:
+        return None
+    # the slowest team sets the pace: with parts far from equal (few groups) torch's threads
+    # split each product more evenly (Qwen3-MoE's 512 tokens: 3 groups, 46.6 ms in teams of 2:1
+    # against 42.4 without)
+    largest = max(costs)
+    return parts if largest <= _TEAM_MAX_SHARE * total / len(parts) else None
 
 
-def _teams(groups, run, device, parts=False) -> None:
-    """run(part) for each part of _team_parts (or the given parts), on the team threads;
+def _teams(groups, run, parts) -> None:
+    """run(part) for each part of _team_parts' split, on the team threads;
     run(groups) here where teams do not run, or on a team thread (a call from within a part).
     Calls from several threads take the teams in turn: one that ran its parts here, with this
     thread's intra-op threads, would give other bits."""
-    parts = None if getattr(_team_thread, "on", False) else _team_parts(groups, device) if parts is False else parts
+    parts = None if getattr(_team_thread, "on", False) else parts
     if parts is None:
         run(groups)
         return
@@ -536,13 +550,20 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     ys = xs.new_empty(rows, _out_features(w_out, transposed), dtype=dtype)
     weights = (w_in, b_in, w_out, b_out)
 
+    def buffer(part):
+        return None if hs is not None else xs.new_empty(max((g[-1][2] - g[0][1] for g in part), default=0),
+                                                        width, dtype=dtype)
+    parts = _team_parts(groups, xs.device, width * torch.empty((), dtype=dtype).element_size())
+    # Each part's pre-activation buffer is allocated here: a team thread's allocations come
+    # from its own glibc arena, which mapped and faulted in such blocks anew on every call.
+    bufs = {id(part): buffer(part) for part in parts or ()}
+
     def run(part):
-        most = max((g[-1][2] - g[0][1] for g in part), default=0)
-        buf = None if hs is not None else xs.new_empty(most, width, dtype=dtype)
+        buf = bufs[id(part)] if id(part) in bufs else buffer(part)
         for g in part:
             _experts_group(g, xs, ends, weights, transposed, gate, token, hs, cast, grouped, width, ys, buf)
 
-    _teams(groups, run, xs.device)
+    _teams(groups, run, parts)
     ys[(groups[-1][-1][2] if groups else 0):].zero_()
     return ys
 
@@ -781,7 +802,7 @@ class _Experts(torch.autograd.Function):
         rows = blocks[-1][2] if blocks else 0
         # teams: every block its own part of the split (the products are those without teams)
         every = [[b] for b in blocks]
-        parts = _team_parts(every, xs.device) if rows else None
+        parts = _team_parts(every, xs.device, hs.shape[1] * hs.element_size()) if rows else None
         if ctx.silu_gate:
             h = hs[:rows]
             a = ctx.gate(h)  # no graph: backward runs without grad
@@ -820,9 +841,9 @@ class _Experts(torch.autograd.Function):
                 _linear_backward(g, a[start:end], w_out, e, tr, None, grad_w_out, grad_b_out)
                 _linear_backward(grad_h[start:end], xs[start:end], w_in, e, tr,
                                  grad_x[start:end] if need_x else None, grad_w_in, grad_b_in)
-        _teams(every, input_grads, xs.device, parts)
+        _teams(every, input_grads, parts)
         grad_h = gate_backward(grad_a) if rows else h
-        _teams(every, weight_grads, xs.device, parts)
+        _teams(every, weight_grads, parts)
         return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None, None
 
 
@@ -871,7 +892,7 @@ def _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gat
     def input_grads(part):
         for [(e, start, end)] in part:
             torch.mm(g[start:end], w_out[e], out=grad_a[start:end])
-    _teams(every, input_grads, xs.device, parts)
+    _teams(every, input_grads, parts)
     grad_h = _operand(gate_backward(grad_a))
     a, x = _operand(a), _operand(xs[:rows])
     blocks = [b for [b] in every]
@@ -887,7 +908,7 @@ def _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gat
                 torch.mm(grad_h[start:end].t(), x[start:end], out=grad_w_in[e])
             if need_x:
                 torch.mm(grad_h[start:end], w_in[e], out=grad_x[start:end])
-    _teams(every, weight_grads, xs.device, parts)
+    _teams(every, weight_grads, parts)
     return grad_x, None, grad_w_in, None, grad_w_out, None, None, None, None
 
 
