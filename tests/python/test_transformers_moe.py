@@ -439,11 +439,58 @@ def test_teams_hand_errors_back_and_keep_nothing(sa, teams):
     assert later == [2]
 
 
+def test_teams_finish_before_an_interrupt_is_raised(sa, teams):
+    """A KeyboardInterrupt (a real SIGINT) that reaches the caller while the parts run is raised
+    once every part has stopped: they write the caller's tensors, and a part still running at
+    interpreter exit aborted the process. The teams then work as before."""
+    import signal
+
+    moe = sa.moe
+    finished = []
+
+    def part(p):
+        if p[0][0][0] == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        finished.append(p[0][0][0])
+    with pytest.raises(KeyboardInterrupt):
+        run_teams(moe, team_groups(), part)
+    assert sorted(finished) == [0, 1]
+    finished.clear()
+    run_teams(moe, team_groups(), lambda p: finished.append(p[0][0][0]))
+    assert sorted(finished) == [0, 1]
+
+
+def test_teams_follow_the_callers_autocast(sa, name, teams):
+    """A backward run under torch.autocast: the team threads multiply as the caller's thread
+    would (GPT-OSS's transposed weights take plain torch.mm there, which autocast casts), so the
+    gradients keep the bits of a one-thread run."""
+    m = build("gpt_oss")
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=32, batch=2))
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(7))
+    ex.config._experts_implementation = name
+
+    def run():
+        ex.zero_grad(set_to_none=True)
+        x = h.clone().requires_grad_(True)
+        y = ex(x, idx, w)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (y * probe).sum().backward()
+        return [x.grad] + [p.grad for p in ex.parameters()]
+    torch.set_num_threads(1)
+    one = run()
+    before = teams["n"]
+    torch.set_num_threads(2)
+    two = run()
+    assert teams["n"] > before
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
 def test_teams_off_where_they_cannot_run(sa, teams):
     """Everything runs on the calling thread with one intra-op thread, blocks of fewer rows than
     _TEAM_MIN_ROWS, a group larger than _TEAM_MAX_GROUP_BYTES, one group, under a dispatch or
-    torch function mode (which the team threads would not see), and for a call made from within
-    a part."""
+    torch function mode or a profiler (which the team threads would not see), and for a call
+    made from within a part."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     moe = sa.moe
@@ -464,7 +511,8 @@ def test_teams_off_where_they_cannot_run(sa, teams):
     run_teams(moe, team_groups(), note)
     assert sorted(where) == ["scatter_add.moe-team-0", "scatter_add.moe-team-1"]
     me = threading.current_thread().name
-    for setup in ("one thread", "few rows", "large group", "one group", "dispatch mode", "function mode", "nested"):
+    for setup in ("one thread", "few rows", "large group", "one group", "dispatch mode", "function mode", "profiler",
+                  "nested"):
         where.clear()
         groups = [team_groups()[0]] if setup == "one group" else team_groups()
         if setup == "one thread":
@@ -479,6 +527,9 @@ def test_teams_off_where_they_cannot_run(sa, teams):
                     run_teams(moe, groups, note)
             elif setup == "function mode":
                 with ThroughFunctions():
+                    run_teams(moe, groups, note)
+            elif setup == "profiler":  # it records the calling thread's ops only
+                with torch.autograd.profiler.profile():
                     run_teams(moe, groups, note)
             elif setup == "nested":
                 run_teams(moe, groups, lambda part: run_teams(moe, groups, note))

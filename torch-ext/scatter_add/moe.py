@@ -378,7 +378,6 @@ class _TeamPool:
 
     def __init__(self, parts: int, width: int, threads: int):
         self.parts, self.width, self.threads = parts, width, threads
-        self.broken = False
         self._tasks = [queue.SimpleQueue() for _ in range(parts)]
         self._done = queue.SimpleQueue()
         ready = threading.Barrier(parts + 1)
@@ -387,7 +386,8 @@ class _TeamPool:
                              name=f"scatter_add.moe-team-{i}").start()
         ready.wait()
         # torch.set_num_threads on a thread also sets the count that threads started later take
-        # when they first run an op: put the caller's back.
+        # when they first run an op: put the caller's back. (A thread whose first op falls
+        # between the workers' setting and this one takes theirs.)
         torch.set_num_threads(threads)
 
     def _work(self, tasks, ready):
@@ -413,11 +413,16 @@ class _TeamPool:
     def run(self, fns) -> None:
         for tasks, fn in zip(self._tasks, fns):
             tasks.put(fn)
-        try:
-            errors = [self._done.get() for _ in fns]
-        except BaseException:  # KeyboardInterrupt while waiting: the parts still run, their
-            self.broken = True  # reports would answer the next call; that one gets new threads
-            raise
+        errors, interrupt = [], None
+        while len(errors) < len(fns):
+            try:
+                errors.append(self._done.get())
+            except BaseException as e:  # noqa: B036 (a KeyboardInterrupt while waiting)
+                # raised once every part has stopped: they write the caller's tensors, and a
+                # thread still running one at exit aborted the interpreter
+                interrupt = interrupt or e
+        if interrupt is not None:
+            raise interrupt
         for e in errors:
             if e is not None:
                 raise e
@@ -444,13 +449,15 @@ def _team_parts(groups, device, row_bytes):
     (row_bytes a row: a team thread's own allocations for such a group, its gate's output,
     came from fresh pages on every call, Mixtral's block at 8192 tokens 1.03x slower), a part of
     more than _TEAM_MAX_SHARE equal shares, off the CPU, or under a torch function or dispatch
-    mode, a functorch transform or torch.jit.trace (which see the calling thread only)."""
+    mode, a functorch transform, torch.jit.trace or a profiler (which see the calling thread
+    only)."""
     threads = torch.get_num_threads()
     if (not _TEAMS or threads < 2 or len(groups) < 2 or device.type != "cpu"
             or groups[-1][-1][2] - groups[0][0][1] < _TEAM_MIN_ROWS * sum(len(g) for g in groups)
             or max(g[-1][2] - g[0][1] for g in groups) * row_bytes > _TEAM_MAX_GROUP_BYTES
             or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
-            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None):
+            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None
+            or torch.autograd.profiler._is_profiler_enabled):
         return None
     cost = [sum(stop - start + _TEAM_ROWS_PER_EXPERT for _, start, stop in g) for g in groups]
     parts_n = min(threads, len(groups))
@@ -491,13 +498,17 @@ def _teams(groups, run, parts) -> None:
         width = max(1, threads // len(parts))
         key = (len(parts), width, threads)
         pool = _pools.get(key)
-        if pool is None or pool.broken:
+        if pool is None:
             pool = _pools[key] = _TeamPool(*key)
+        # the caller's thread-local modes that change what the ops compute (a backward may run
+        # under autocast)
         inference = torch.is_inference_mode_enabled()
+        autocast = torch.is_autocast_enabled("cpu")
+        low = torch.get_autocast_dtype("cpu")
 
         def task(part):
             def fn():
-                with torch.inference_mode(inference), torch.no_grad():
+                with torch.inference_mode(inference), torch.no_grad(), torch.autocast("cpu", low, autocast):
                     run(part)
             return fn
         pool.run([task(p) for p in parts])
