@@ -47,8 +47,9 @@ whose blocks average 16 rows or more and fall into two gate groups or more (abou
 pre-activations: from about 80 tokens for a Mixtral block of hidden 1024, 256 for Qwen3-MoE's
 reduced one) splits them over P teams of threads, T / P intra-op threads each (see
 _team_parts): with two threads every product then runs on one thread, and the output and
-gradients have the bits of a one-thread run. Without AMX, an expert's bfloat16 products take this library's own products (`ops.small_matmul` / `ops.small_matmul_nn`, float32
-sums, the same bits on every thread count) instead: over blocks of at most four rows (decode,
+gradients have the bits of a one-thread run. Without AMX, an expert's bfloat16 products take
+this library's own products (`ops.small_matmul` / `ops.small_matmul_nn`, float32 sums, the
+same bits on every thread count) instead: over blocks of at most four rows (decode,
 [E, out, in] weights without bias) where torch multiplies bf16 by oneDNN, every product of every
 block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_products. A gate group
 whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call per product
@@ -361,9 +362,8 @@ def _gate_groups(blocks, width):
 # without teams: with one intra-op thread per team every product runs as on one thread, so the
 # layer's output and gradients have the bits of a one-thread run (the elementwise gate and its
 # derivative, left to torch's threads, gave the same bits on one and two threads at every shape
-# tried). Where blocks average fewer than _TEAM_MIN_ROWS
-# rows (decode-sized calls) the teams do not run: a training step of a Mixtral block at one token
-# took 64 ms with them against 59 without.
+# tried). Where blocks average fewer than _TEAM_MIN_ROWS rows (decode-sized calls) the teams do
+# not run: a training step of a Mixtral block at one token took 64 ms with them, 59 without.
 
 _TEAMS = True  # tests set it False to compare
 _TEAM_ROWS_PER_EXPERT = 32  # a block costs its rows plus this many for reading its weights
@@ -374,7 +374,8 @@ _TEAM_MAX_SHARE = 1.25  # the largest part's cost against an equal share, above 
 
 class _TeamPool:
     """P daemon threads, each running torch with `width` intra-op threads; run(fns) runs fns[i] on
-    thread i and waits for all, raising the first error."""
+    thread i and waits for all, then raises a KeyboardInterrupt that came meanwhile, or the
+    first part's error."""
 
     def __init__(self, parts: int, width: int, threads: int):
         self.parts, self.width, self.threads = parts, width, threads
@@ -393,7 +394,7 @@ class _TeamPool:
     def _work(self, tasks, ready):
         _team_thread.on = True
         # A thread's first op sets its count from the last one set anywhere (torch's lazy init):
-        # let that happen now, before ours, or the caller's restore below would win.
+        # let that happen now, before ours, or the caller's restore in __init__ would win.
         torch.get_num_threads()
         torch.set_num_threads(self.width)
         ready.wait()
