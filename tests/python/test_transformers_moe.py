@@ -453,8 +453,14 @@ def test_teams_finish_before_an_interrupt_is_raised(sa, teams):
             os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.3)
         finished.append(p[0][0][0])
-    with pytest.raises(KeyboardInterrupt):
-        run_teams(moe, team_groups(), part)
+    # Python raises KeyboardInterrupt on SIGINT unless SIGINT was ignored when it started (as in a
+    # job started in the background by a shell): the handler is set here either way
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_teams(moe, team_groups(), part)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert sorted(finished) == [0, 1]
     finished.clear()
     run_teams(moe, team_groups(), lambda p: finished.append(p[0][0][0]))
