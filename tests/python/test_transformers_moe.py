@@ -442,26 +442,36 @@ def test_teams_hand_errors_back_and_keep_nothing(sa, teams):
 def test_teams_finish_before_an_interrupt_is_raised(sa, teams):
     """A KeyboardInterrupt (a real SIGINT) that reaches the caller while the parts run is raised
     once every part has stopped: they write the caller's tensors, and a part still running at
-    interpreter exit aborted the process. The teams then work as before."""
+    interpreter exit aborted the process. 300 times, the signal at a random moment of the wait:
+    a wait that took a part's report and was then interrupted lost it and never ended (so a
+    watchdog ends the process, exit status 1, if this hangs). The teams then work as before."""
+    import faulthandler
+    import random
     import signal
 
     moe = sa.moe
+    rng = random.Random(0)
     finished = []
 
-    def part(p):
+    def part(p, delay):
+        time.sleep(delay)
         if p[0][0][0] == 0:
             os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.3)
         finished.append(p[0][0][0])
     # Python raises KeyboardInterrupt on SIGINT unless SIGINT was ignored when it started (as in a
     # job started in the background by a shell): the handler is set here either way
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.dump_traceback_later(60, exit=True)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            run_teams(moe, team_groups(), part)
+        for _ in range(300):
+            finished.clear()
+            delays = {0: rng.random() * 0.002, 1: rng.random() * 0.002}
+            with pytest.raises(KeyboardInterrupt):
+                run_teams(moe, team_groups(), lambda p: part(p, delays[p[0][0][0]]))
+            assert sorted(finished) == [0, 1]
     finally:
+        faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGINT, previous)
-    assert sorted(finished) == [0, 1]
     finished.clear()
     run_teams(moe, team_groups(), lambda p: finished.append(p[0][0][0]))
     assert sorted(finished) == [0, 1]

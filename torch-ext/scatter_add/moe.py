@@ -399,29 +399,38 @@ class _TeamPool:
         torch.set_num_threads(self.width)
         ready.wait()
         while True:
-            fn = tasks.get()
-            error = None
+            fn, errors, i, done = tasks.get()
             try:
                 fn()
             except BaseException as e:  # noqa: B036 (handed to the caller)
-                error = e
+                errors[i] = e
             # Nothing of the task may outlive it here: autograd copies a gradient that something
             # else still holds (AccumulateGrad) where it would take it over.
-            fn = None
-            self._done.put(error)
-            error = None
+            fn = errors = None
+            done.set()
+            done = None
 
     def run(self, fns) -> None:
-        for tasks, fn in zip(self._tasks, fns):
-            tasks.put(fn)
-        errors, interrupt = [], None
-        while len(errors) < len(fns):
-            try:
-                errors.append(self._done.get())
-            except BaseException as e:  # noqa: B036 (a KeyboardInterrupt while waiting)
-                # raised once every part has stopped: they write the caller's tensors, and a
-                # thread still running one at exit aborted the interpreter
-                interrupt = interrupt or e
+        # Each part reports through its own event, which a wait cut short by a KeyboardInterrupt
+        # still finds set (a report taken from a queue just before the interrupt was lost, and
+        # the next wait never ended). The interrupt is raised once every part it reached has
+        # stopped: they write the caller's tensors, and a thread still running one at exit
+        # aborted the interpreter.
+        errors, done = [None] * len(fns), [threading.Event() for _ in fns]
+        sent, interrupt = 0, None
+        try:
+            for i, (tasks, fn) in enumerate(zip(self._tasks, fns)):
+                tasks.put((fn, errors, i, done[i]))
+                sent = i + 1
+        except BaseException as e:  # noqa: B036 (a KeyboardInterrupt)
+            interrupt = e
+        for event in done[:sent]:
+            while True:
+                try:
+                    event.wait()
+                    break
+                except BaseException as e:  # noqa: B036 (a KeyboardInterrupt while waiting)
+                    interrupt = interrupt or e
         if interrupt is not None:
             raise interrupt
         for e in errors:
@@ -565,7 +574,7 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     def buffer(part):
         return None if hs is not None else xs.new_empty(max((g[-1][2] - g[0][1] for g in part), default=0),
                                                         width, dtype=dtype)
-    parts = _team_parts(groups, xs.device, width * torch.empty((), dtype=dtype).element_size())
+    parts = _team_parts(groups, xs.device, width * dtype.itemsize)
     # Each part's pre-activation buffer is allocated here: a team thread's allocations come
     # from its own glibc arena, which mapped and faulted in such blocks anew on every call.
     bufs = {id(part): buffer(part) for part in parts or ()}
