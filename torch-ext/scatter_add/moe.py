@@ -380,7 +380,6 @@ class _TeamPool:
     def __init__(self, parts: int, width: int, threads: int):
         self.parts, self.width, self.threads = parts, width, threads
         self._tasks = [queue.SimpleQueue() for _ in range(parts)]
-        self._done = queue.SimpleQueue()
         ready = threading.Barrier(parts + 1)
         for i in range(parts):
             threading.Thread(target=self._work, args=(self._tasks[i], ready), daemon=True,
