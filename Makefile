@@ -103,12 +103,13 @@ test-fuzz-corpus: fuzz-build
 
 # The kernel levels above this CPU's, which the clang builds above leave out, checked by clang
 # once (-fsyntax-only: every template instantiated and checked, no code generated), as the
-# release build compiles them with gcc.
+# release build compiles them with gcc (the avx512_bf16 level with its AMX kernel).
 clang-levels:
 	@scripts/install_deps.sh $(SAN_DEPS)
 	for bf16 in 0 1; do \
 	  clang++ -std=c++17 -fsyntax-only -Wall -Wextra -Iinclude -Icsrc/cpu -mavx512f -mavx512bw -mavx512vl -mavx512dq \
-	    -mfma -mf16c -mpopcnt $$([ $$bf16 = 1 ] && echo -mavx512bf16) -DSCATTER_ADD_AVX512_BF16=$$bf16 \
+	    -mfma -mf16c -mpopcnt $$([ $$bf16 = 1 ] && echo -mavx512bf16 -mamx-tile -mamx-bf16 -DSCATTER_ADD_AMX=1) \
+	    -DSCATTER_ADD_AVX512_BF16=$$bf16 \
 	    csrc/cpu/kernels_avx512.cpp || exit 1; \
 	done
 

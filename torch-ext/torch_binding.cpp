@@ -573,6 +573,17 @@ bool small_matmul_grouped_op(const Tensor& y, const Tensor& x, const Tensor& w, 
   return ran;
 }
 
+// Whether small_matmul (and small_matmul_grouped) multiply on AMX tiles here (sa::amx_tiles):
+// set = -1 asks; 0 or 1 turns the tiles off or on for the process (tests, benchmarks) and returns
+// what is then in effect. x only places the call on the CPU.
+bool small_matmul_tiles_op(const Tensor& x, int64_t set) {
+  const char* op = "small_matmul_tiles";
+  const Info xi(defined(op, "x", x));
+  if (xi.device_type != kCodes.cpu) fail(Kind::value, op, "x must be on the CPU, got ", DeviceName{xi});
+  if (set < -1 || set > 1) fail(Kind::value, op, "set must be -1 (ask), 0 (off) or 1 (on), got ", set);
+  return set < 0 ? sa::amx_tiles() : sa::set_amx_tiles(set == 1);
+}
+
 #if defined(SA_WITH_CUDA)
 // CUDA: weights in the accumulator dtype, a workspace from torch's caching allocator, torch's
 // current stream on the input's device.
@@ -644,6 +655,7 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("small_matmul(Tensor(a!) y, Tensor x, Tensor w) -> bool");
   m.def("small_matmul_nn(Tensor(a!) y, Tensor x, Tensor w) -> bool");
   m.def("small_matmul_grouped(Tensor(a!) y, Tensor x, Tensor w, Tensor ends) -> bool");
+  m.def("small_matmul_tiles(Tensor x, int set=-1) -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -657,6 +669,7 @@ STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("small_matmul", TORCH_BOX(&scatter_add_torch::small_matmul_op<false>));
   m.impl("small_matmul_nn", TORCH_BOX(&scatter_add_torch::small_matmul_op<true>));
   m.impl("small_matmul_grouped", TORCH_BOX(&scatter_add_torch::small_matmul_grouped_op));
+  m.impl("small_matmul_tiles", TORCH_BOX(&scatter_add_torch::small_matmul_tiles_op));
 }
 
 #if defined(SA_WITH_CUDA)

@@ -4,6 +4,8 @@
 // so is one above SCATTER_ADD_MAX_ISA, the highest level whose kernels were compiled (CMake's
 // option of that name; every level by default).
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +17,9 @@
 
 #ifndef SCATTER_ADD_MAX_ISA
 #define SCATTER_ADD_MAX_ISA 3
+#endif
+#ifndef SCATTER_ADD_AMX
+#define SCATTER_ADD_AMX 0
 #endif
 
 namespace scatter_add {
@@ -57,6 +62,37 @@ Isa clamp(Isa want) {
   return static_cast<int>(want) < static_cast<int>(supported_isa()) ? want : supported_isa();
 }
 
+// AMX: the CPU's AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24 and 22), the tile state enabled
+// by the OS in XCR0 (bits 17 and 18), and the tile data granted to this process by Linux
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, from Linux 5.16; a process that
+// already holds it, as after torch's oneDNN asked, is granted again).
+bool detect_amx() {
+#if SCATTER_ADD_AMX && SCATTER_ADD_MAX_ISA >= 3
+  if (detect_isa() != Isa::avx512_bf16) return false;
+  unsigned a, b, c, d;
+  __cpuid_count(7, 0, a, b, c, d);
+  if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
+  if ((read_xcr0() & (3ull << 17)) != (3ull << 17)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+bool amx_supported() {
+  static const bool ok = detect_amx();
+  return ok;
+}
+
+std::atomic<bool>& amx_wanted() {  // SCATTER_ADD_CPU_AMX=0 turns the tiles off; set_amx_tiles
+  static std::atomic<bool> want{[] {
+    const char* env = std::getenv("SCATTER_ADD_CPU_AMX");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }()};
+  return want;
+}
+
 std::atomic<int>& active_level() {
   static std::atomic<int> level{static_cast<int>(clamp(parse_env(supported_isa())))};
   return level;
@@ -87,10 +123,23 @@ Isa set_isa(Isa isa) {
   return got;
 }
 
+bool amx_tiles() {
+  return active_isa() == Isa::avx512_bf16 && amx_supported() && amx_wanted().load(std::memory_order_relaxed);
+}
+
+bool set_amx_tiles(bool on) {
+  amx_wanted().store(on, std::memory_order_relaxed);
+  return amx_tiles();
+}
+
 namespace cpu {
 const KernelTable& active_kernels() {
   const Isa isa = active_isa();  // never above SCATTER_ADD_MAX_ISA (supported_isa)
 #if SCATTER_ADD_MAX_ISA >= 3
+#if SCATTER_ADD_AMX
+  if (isa == Isa::avx512_bf16 && amx_supported() && amx_wanted().load(std::memory_order_relaxed))
+    return kernels_avx512_amx();
+#endif
   if (isa == Isa::avx512_bf16) return kernels_avx512_bf16();
 #endif
 #if SCATTER_ADD_MAX_ISA >= 2

@@ -160,6 +160,9 @@ const KernelTable& kernels_scalar();
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_avx512();
 const KernelTable& kernels_avx512_bf16();
+// kernels_avx512_bf16 with small_matmul on AMX tiles (built where the compiler has AMX; used
+// where amx_tiles() is true).
+const KernelTable& kernels_avx512_amx();
 
 }  // namespace cpu
 }  // namespace scatter_add

@@ -6,6 +6,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 
 #include "convert.h"
 #include "row_kernels.h"
@@ -245,6 +247,160 @@ void small_matmul(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
   }
 }
 
+#if SCATTER_ADD_AVX512_BF16 && SCATTER_ADD_AMX
+// ---- y = x @ w.T on AMX tiles ----------------------------------------------------------------
+// Each element of y is the float32 sum, by TDPBF16PS in 32-column steps in increasing order, of
+// its row of x against its row of w, rounded once as every level rounds (narrow): the same
+// operations whatever rows and columns a call or thread holds. The product is taken swapped,
+// y.T = w @ x.T: 16-row tiles of w are loaded as they lie (no repacking of the weight, the large
+// operand), x is packed once per call into pairs of columns by 16 rows (a 16 x 16 transpose of
+// 32-bit pairs per 1 KiB tile), and the float32 result tiles are transposed back by the same
+// shuffles before rounding. Tiles: 0-3 results (2 w tiles x 2 x tiles), 4-5 w, 6-7 x.
+// Buffers handed to tile loads start on 64-byte lines: a tile row across two lines doubled the
+// time of the inner loop here.
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// r[i] (16 lanes) -> r[j] lane i = old r[i] lane j.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a0 = _mm512_castps_pd(t[4 * i]), a1 = _mm512_castps_pd(t[4 * i + 1]),
+                  a2 = _mm512_castps_pd(t[4 * i + 2]), a3 = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_mask_shuffle_f32x4(r[8 * i + j], 0xFFFF, r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_mask_shuffle_f32x4(r[8 * i + j], 0xFFFF, r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_mask_shuffle_f32x4(t[j], 0xFFFF, t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_mask_shuffle_f32x4(t[j], 0xFFFF, t[j], t[8 + j], 0xDD);
+  }
+}
+
+// A thread's scratch on 64-byte lines, kept between calls.
+template <class T>
+T* lines(std::vector<unsigned char>& v, size_t count) {
+  v.resize(count * sizeof(T) + 64);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<T*>((p + 63) & ~uintptr_t{63});
+}
+
+void small_matmul_amx_rows(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+  const int64_t m = j.m, k = j.cols, kc = (k + 31) / 32, kfull = k / 32, mb = (m + 15) / 16;
+  static thread_local std::vector<unsigned char> xs, ws;
+  // x packed: [m block][column step][16 pairs of columns][16 rows], 32-bit pairs
+  uint32_t* xp = lines<uint32_t>(xs, static_cast<size_t>(mb * kc * 256));
+  for (int64_t b = 0; b < mb; ++b)
+    for (int64_t c = 0; c < kc; ++c) {
+      const int64_t rest = std::min<int64_t>(32, k - 32 * c);
+      const __mmask32 cols = static_cast<__mmask32>(rest == 32 ? ~uint32_t{0} : (uint32_t{1} << rest) - 1);
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t row = 16 * b + i;
+        r[i] = row < m ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(cols, j.x + row * j.x_stride + 32 * c))
+                       : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      uint32_t* dst = xp + (b * kc + c) * 256;
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(dst + 16 * i, r[i]);
+    }
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float cb[4][256];
+  // A panel of 32 w rows with zeros past its rows or columns, where tile loads cannot read w as
+  // it lies: [column step][2 tiles][16 rows][32 columns]
+  uint16_t* wp = lines<uint16_t>(ws, static_cast<size_t>(kc * 1024));
+  for (int64_t n0 = o0; n0 < o1; n0 += 32) {
+    const int64_t nn = std::min<int64_t>(32, o1 - n0);
+    const bool whole = nn == 32;
+    const int64_t pad_from = whole ? kfull : 0;  // the steps read from the padded panel
+    if (pad_from < kc) {
+      std::fill(wp + pad_from * 1024, wp + kc * 1024, uint16_t{0});
+      for (int64_t r = 0; r < nn; ++r)
+        for (int64_t c = 32 * pad_from; c < k; ++c)
+          wp[(c / 32) * 1024 + (r / 16) * 512 + (r % 16) * 32 + c % 32] = j.w[(n0 + r) * j.w_stride + c];
+    }
+    const uint16_t* w0 = j.w + n0 * j.w_stride;
+    const int64_t w_bytes = j.w_stride * 2;
+    for (int64_t b = 0; b < mb; b += 2) {
+      const bool two = b + 1 < mb;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < kc; ++c) {
+        if (c < pad_from) {
+          _tile_loadd(4, w0 + 32 * c, w_bytes);
+          _tile_loadd(5, w0 + 16 * j.w_stride + 32 * c, w_bytes);
+        } else {
+          _tile_loadd(4, wp + c * 1024, 64);
+          _tile_loadd(5, wp + c * 1024 + 512, 64);
+        }
+        _tile_loadd(6, xp + (b * kc + c) * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, xp + ((b + 1) * kc + c) * 256, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, cb[0], 64);
+      _tile_stored(1, cb[1], 64);
+      if (two) {
+        _tile_stored(2, cb[2], 64);
+        _tile_stored(3, cb[3], 64);
+      }
+      for (int q = 0; q < (two ? 4 : 2); ++q) {
+        const int64_t col = n0 + 16 * (q & 1), row = 16 * (b + (q >> 1));
+        if (col >= n0 + nn) continue;
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(cb[q] + 16 * i);
+        transpose16(r);  // r[i]: row `row + i` of y, 16 columns from col
+        const int64_t cols = std::min<int64_t>(16, n0 + nn - col);
+        for (int i = 0; i < 16 && row + i < m; ++i)
+          _mm256_mask_storeu_epi16(j.y + (row + i) * j.y_stride + col, mask16(cols), Avx512BF16::narrow(r[i]));
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Rows of x a few hundred at a time, so that their packed copy (64 bytes per row and 32 columns)
+// stays within 1 MiB, in the L2, while every w panel passes it; each element's sum is the same
+// in any such split.
+void small_matmul_amx(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+  const int64_t steps = std::max<int64_t>(1, (j.cols + 31) / 32);
+  const int64_t chunk = std::max<int64_t>(32, (int64_t{1} << 14) / steps / 32 * 32);
+  for (int64_t i = 0; i < j.m; i += chunk) {
+    SmallMatmulJob part = j;
+    part.x += i * j.x_stride;
+    part.y += i * j.y_stride;
+    part.m = std::min(chunk, j.m - i);
+    small_matmul_amx_rows(part, o0, o1);
+  }
+}
+#endif
+
 }  // namespace
 
 #if SCATTER_ADD_AVX512_BF16
@@ -260,6 +416,17 @@ const KernelTable& kernels_avx512() {
   }();
   return t;
 }
+
+#if SCATTER_ADD_AVX512_BF16 && SCATTER_ADD_AMX
+const KernelTable& kernels_avx512_amx() {
+  static const KernelTable t = [] {
+    KernelTable k = kernels_avx512_bf16();
+    k.small_matmul = &small_matmul_amx;
+    return k;
+  }();
+  return t;
+}
+#endif
 
 }  // namespace cpu
 }  // namespace scatter_add

@@ -152,7 +152,9 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
 // row of w is read once for a few rows of x, and a tile of w rows is passed by every row of x
 // while it is in the cache. Threads split the rows of w, and each element is summed by the same
 // operations whatever the number of rows, so the bits depend on neither (they do depend on the
-// ISA level: 8 lanes at avx2, 16 from avx512). Returns false, writing nothing, when no kernel
+// ISA level: 8 lanes at avx2, 16 from avx512; and on AMX tiles, see amx_tiles(), each element is
+// summed in 32-column steps by the tiles' dot products, with w's tiles read as they lie and x
+// packed once per call). Returns false, writing nothing, when no kernel
 // serves the call (the scalar level); throws Error on a dtype, shape or overlap problem.
 bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options = {});
 
@@ -208,6 +210,14 @@ Isa supported_isa();
 Isa active_isa();     // the level in use (after SCATTER_ADD_CPU_ISA and set_isa)
 // Forces a level for tests (clamped to supported_isa()); returns the level now in use.
 Isa set_isa(Isa isa);
+// Whether small_matmul and small_matmul_grouped multiply on AMX tiles: at the avx512_bf16 level,
+// on a CPU with AMX-BF16 whose OS grants this process the tile state (Linux 5.16 or later), in a
+// build whose compiler has AMX, unless SCATTER_ADD_CPU_AMX=0 (read once) or set_amx_tiles(false).
+// The sums are float32 in 32-column steps, rounded once, but not in the order of the vector
+// kernels: their bits differ from the same call without tiles.
+bool amx_tiles();
+// Turns the tiles on or off for tests and benchmarks; returns amx_tiles() after the change.
+bool set_amx_tiles(bool on);
 
 // The process-wide strategy used when Options::strategy is automatic: SCATTER_ADD_CPU_STRATEGY
 // (auto, direct, count or radix; read once, an unknown name raises Error at the first call) or

@@ -1,12 +1,15 @@
 // small_matmul (y = x @ w.T in bfloat16, an expert's products): against a float64 reference
 // within one float32 summation bound and one bf16 rounding, the same bits on 1 to 3 threads and
 // whatever the number of x rows, strided views, special values, the level it declines (scalar),
-// and bad input leaving y untouched; small_matmul_grouped, its blocks in one call.
+// and bad input leaving y untouched; small_matmul_grouped, its blocks in one call. Where the CPU
+// has AMX, the avx512_bf16 entry runs these on the tiles and a second entry without them.
+#include <cpuid.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -56,7 +59,7 @@ bool served() { return sa::active_isa() >= sa::Isa::avx2; }
 
 TEST(SmallMatmul, MatchesFloat64WithinOneRounding) {
   std::mt19937_64 rng(7);
-  for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 17, 26})
+  for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 17, 26, 47})
     for (int64_t h : {0, 1, 17, 31, 32, 33, 64, 100, 1030})
       for (int64_t o : {1, 5, 9, 33, 70}) {
         Mm t(m, o, h, (m + h) % 3 == 0 ? 0 : 7, rng);
@@ -144,6 +147,39 @@ TEST(SmallMatmul, RowsGiveTheBitsOfOneRowCalls) {
             << "m=" << m << " row " << i << " col " << r;
     }
   }
+}
+
+// CPUID and XCR0 say the CPU has AMX-TILE and AMX-BF16 and the OS enables their state.
+bool cpu_has_amx() {
+  unsigned a, b, c, d;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17);
+}
+
+// The tiles run exactly where the level, the CPU, the build and SCATTER_ADD_CPU_AMX allow, and
+// set_amx_tiles and set_isa turn them off and on again.
+TEST(SmallMatmul, TilesWhereTheCpuLevelAndBuildHaveThem) {
+  const char* env = std::getenv("SCATTER_ADD_CPU_AMX");
+  const bool off = env != nullptr && std::strcmp(env, "0") == 0;
+  const bool level = sa::active_isa() == sa::Isa::avx512_bf16;
+  EXPECT_EQ(sa::amx_tiles(), level && cpu_has_amx() && SCATTER_ADD_TESTS_AMX && !off)
+      << "isa=" << sa::isa_name(sa::active_isa()) << " SCATTER_ADD_CPU_AMX=" << (env ? env : "(unset)");
+  const bool was = sa::amx_tiles();
+  EXPECT_FALSE(sa::set_amx_tiles(false));
+  std::mt19937_64 rng(17);
+  Mm t(3, 40, 64, 0, rng);
+  EXPECT_EQ(t.run(2), served());  // the level's vector kernel
+  EXPECT_EQ(sa::set_amx_tiles(true), level && cpu_has_amx() && SCATTER_ADD_TESTS_AMX);
+  const sa::Isa isa = sa::active_isa();
+  sa::set_isa(sa::Isa::avx512);
+  EXPECT_FALSE(sa::amx_tiles());
+  sa::set_isa(isa);
+  sa::set_amx_tiles(was);
+  EXPECT_EQ(sa::amx_tiles(), was);
 }
 
 TEST(SmallMatmul, DeclinesTheScalarLevel) {

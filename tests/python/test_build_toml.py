@@ -32,9 +32,9 @@ def test_parses_with_the_kernel_builders_parser():
 
 def relevant_flags(flags):
     """The flags that change what code a source compiles to: instruction sets, floating-point
-    contraction and this project's own switches (OpenMP, the bf16 kernels)."""
+    contraction and this project's own switches (OpenMP, the bf16 kernels, AMX)."""
     return frozenset(f for f in flags if f.startswith(("-m", "-ffp-contract"))
-                     or re.match(r"-DSCATTER_ADD_(USE_OPENMP|AVX512_BF16)\b", f))
+                     or re.match(r"-DSCATTER_ADD_(USE_OPENMP|AVX512_BF16|AMX)\b", f))
 
 
 def toml_units(kind):

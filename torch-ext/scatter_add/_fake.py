@@ -3,7 +3,7 @@ torch.export: the compiled kernels' argument, shape, dtype and device checks (sa
 exception), and the output's shape, dtype and device. Sizes may be symbolic, so one compiled graph
 serves every K and N. The checks that need data (index values, memory overlap) run in the real
 kernels only. small_matmul's fake declines (see there), as do small_matmul_nn's and
-small_matmul_grouped's."""
+small_matmul_grouped's, and small_matmul_tiles' answers False."""
 import torch
 
 from ._checks import check_args, check_tensors
@@ -38,6 +38,7 @@ torch.library.register_fake(add_op_namespace_prefix("small_matmul"), small_matmu
 torch.library.register_fake(add_op_namespace_prefix("small_matmul_nn"), small_matmul_fake)
 torch.library.register_fake(add_op_namespace_prefix("small_matmul_grouped"),
                             lambda y, x, w, ends: small_matmul_fake(y, x, w))
+torch.library.register_fake(add_op_namespace_prefix("small_matmul_tiles"), lambda x, set=-1: False)
 for _suffix in ("", "_plain"):  # the ops, and their plain twins (see _api.py)
     torch.library.register_fake(add_op_namespace_prefix("scatter_add" + _suffix + "_"), scatter_add_fake)
     torch.library.register_fake(add_op_namespace_prefix("index_add" + _suffix), index_add_fake)
