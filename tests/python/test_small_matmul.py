@@ -1,6 +1,6 @@
 """ops.small_matmul (y = x @ w.T in bf16, the MoE experts' products): accuracy against float64
-next to torch.mm's, the same bits on 1 and 2 threads and for any number of rows, the level it
-declines, errors that name the argument and leave y untouched, fake tensors, and its use by the
+next to torch.mm's, the same bits on 1 and 2 threads and for any number of rows (on AMX tiles
+and on the vector kernels), ops.small_matmul_tiles, the level it declines, errors that name the argument and leave y untouched, fake tensors, and its use by the
 MoE experts loop."""
 import os
 import re
@@ -22,9 +22,56 @@ def served(sa):
     return bool(small(sa)(torch.empty_like(one), one, one))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 30])
+def tiles_op(sa):
+    return sa.ops.small_matmul_tiles.default
+
+
+@pytest.fixture(params=[True, False], ids=["tiles", "vectors"])
+def tiles(sa, request):
+    """small_matmul on AMX tiles where this CPU has them, and on the level's vector kernel; the
+    first is skipped where there are no tiles."""
+    probe = torch.empty(0, dtype=torch.bfloat16)
+    was = tiles_op(sa)(probe)
+    if request.param and not tiles_op(sa)(probe, 1):
+        pytest.skip("no AMX tiles here: small_matmul runs the level's vector kernel")
+    if not request.param:
+        tiles_op(sa)(probe, 0)
+    yield request.param
+    tiles_op(sa)(probe, int(was))
+
+
+def test_tiles_op_asks_turns_and_checks(sa):
+    """ops.small_matmul_tiles: on wherever torch's oneDNN multiplies on AMX tiles (the same CPUID
+    and OS checks), turned off and on, errors that name the argument, False for meta and fake tensors,
+    and off by SCATTER_ADD_CPU_AMX=0 or a level below avx512_bf16."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    op, probe = tiles_op(sa), torch.empty(0, dtype=torch.bfloat16)
+    on = op(probe)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if amx:
+        assert on is True
+    try:
+        assert op(probe, 0) is False and op(probe) is False
+        assert op(probe, 1) is on and op(probe) is on
+    finally:
+        op(probe, int(on))
+    with pytest.raises(RuntimeError, match=re.escape("small_matmul_tiles: set must be -1 (ask), 0 (off) or 1 (on), got 2")):
+        op(probe, 2)
+    assert op(torch.empty(0, device="meta")) is False  # meta and fake tensors: the fake's answer
+    with FakeTensorMode():
+        assert op(torch.empty(0)) is False
+    code = ("import sys, torch\nsys.path.insert(0, 'tests/python')\nfrom conftest import load_sa\nsa = load_sa()\n"
+            "print(sa.ops.small_matmul_tiles.default(torch.empty(0)))\n")
+    for env in ({"SCATTER_ADD_CPU_AMX": "0"}, {"SCATTER_ADD_CPU_ISA": "avx512"}, {}):
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, **env), capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip().splitlines()[-1] == str(on and not env), env
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 30, 47])
 @pytest.mark.parametrize("o, h", [(1, 1), (7, 31), (33, 64), (70, 100), (300, 1030)])
-def test_matches_float64_as_torch_mm_does(sa, rows, o, h):
+def test_matches_float64_as_torch_mm_does(sa, rows, o, h, tiles):
     if not served(sa):
         pytest.skip("small_matmul has no kernel on this CPU (below AVX2): the experts use torch.mm")
     g = torch.Generator().manual_seed(rows * 1000 + o + h)
@@ -41,7 +88,7 @@ def test_matches_float64_as_torch_mm_does(sa, rows, o, h):
     assert (out.double() - ref).abs().max() <= theirs + 2.0 ** -8 * ref.abs().max()
 
 
-def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa):
+def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa, tiles):
     if not served(sa):
         pytest.skip("small_matmul has no kernel on this CPU (below AVX2)")
     g = torch.Generator().manual_seed(1)
@@ -63,7 +110,7 @@ def test_same_bits_on_1_and_2_threads_and_in_strided_views(sa):
     assert torch.equal(padded[:, :1000], outs[0]) and not padded[:, 1000:].any()
 
 
-def test_many_rows_have_the_bits_of_one_row_calls(sa):
+def test_many_rows_have_the_bits_of_one_row_calls(sa, tiles):
     if not served(sa):
         pytest.skip("small_matmul has no kernel on this CPU (below AVX2)")
     g = torch.Generator().manual_seed(4)
@@ -286,6 +333,14 @@ def test_moe_probe_under_a_fake_mode_is_not_kept(sa, monkeypatch):
     with torch.device("meta"):  # the probe's own tensors are the CPU's
         assert moe._small_ok(x, w, None, False) == here
     assert moe._small_kernel == here
+    monkeypatch.setattr(moe, "_small_tiles", None)
+    with FakeTensorMode():
+        assert moe._tiles_here() is False
+    assert moe._small_tiles is None
+    on = tiles_op(sa)(torch.empty(0, dtype=torch.bfloat16))
+    with torch.device("meta"):  # the probe's own tensor is the CPU's
+        assert moe._tiles_here() == on
+    assert moe._small_tiles == on
 
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn_bf16", "reference_bf16"])

@@ -1209,7 +1209,8 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
     included. With AMX's forms: swapped W_e @ x_e.T for small blocks, the loop's own otherwise, the
     grouped product for small blocks and never for blocks of one row. Without: the plain form,
     grouped for every gate group of more than one block, except bf16 groups of mostly small blocks
-    (this library's small_matmul, through _linear, where the CPU has it). Bit for bit in float32 only with this
+    (this library's small_matmul, through _linear, where the CPU has it). With AMX's forms, bf16
+    blocks of at most _TILE_ROWS rows take small_matmul where it runs on the tiles. Bit for bit in float32 only with this
     CPU's own forms (MKL may round the other CPU's float32 forms otherwise); bf16 always. Row
     counts are odd, so that the gate's transposed output needs its padded copy."""
     moe = sa.moe
@@ -1244,6 +1245,8 @@ def test_inference_products_have_the_bits_of_per_expert_products(sa, monkeypatch
     grouped = profile in ("few_rows", "groups") or not forms
     if not forms and (profile != "many_rows" or not moe._ONEDNN_BF16) and moe._small_ok(xs, w_in, None, False):
         grouped = False  # bf16 blocks of a few rows (every block without oneDNN): small_matmul in the loop
+    if forms and profile != "many_rows" and moe._small_ok(xs, w_in, None, False):
+        grouped = False  # bf16 blocks of at most _TILE_ROWS rows on AMX tiles: small_matmul
     assert (calls["n"] > 0) == grouped
     ref = torch.zeros_like(ys)
     start = 0

@@ -47,13 +47,14 @@ whose blocks average 16 rows or more and fall into two gate groups or more (abou
 pre-activations: from about 80 tokens for a Mixtral block of hidden 1024, 256 for Qwen3-MoE's
 reduced one) splits them over P teams of threads, T / P intra-op threads each (see
 _team_parts): with two threads every product then runs on one thread, and the output and
-gradients have the bits of a one-thread run. Without AMX, an expert's bfloat16 products take
-this library's own products (`ops.small_matmul` / `ops.small_matmul_nn`, float32 sums, the
-same bits on every thread count) instead: over blocks of at most four rows (decode,
-[E, out, in] weights without bias) where torch multiplies bf16 by oneDNN, every product of every
-block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_products. A gate group
-whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call per product
-(_small_grouped), with the same bits.
+gradients have the bits of a one-thread run. An expert's bfloat16 products take this library's
+own products (`ops.small_matmul` / `ops.small_matmul_nn`, float32 sums, the same bits on every
+thread count) instead: with AMX, the forward products of blocks of at most _TILE_ROWS rows
+(192; [E, out, in] weights without bias), on the tiles (`ops.small_matmul_tiles`); without it,
+blocks of at most four rows (decode) where torch multiplies bf16 by oneDNN, every product of
+every block where it does not (AVX2 CPUs): see _small_ok, _small_rows and _own_products. A gate
+group whose blocks all take it multiplies them in one `ops.small_matmul_grouped` call per
+product (_small_grouped), with the same bits.
 """
 import contextlib
 import functools
@@ -101,9 +102,15 @@ _AMX = _amx_tiles()
 # 0.60, 0.34-0.39 / 0.38-0.59; Qwen3-MoE's up 768 x 1024 0.018 / 0.062, 0.022 / 0.062, 0.098 /
 # 0.121, 0.041-0.049 / 0.069-0.143; 8x7B's up 28672 x 4096 7.9 / 12.6, 8.0 / 11.3, 10.3 / 14.7,
 # 9.6-9.9 / 12.6-14.1. At eight rows it is 0.71x to 1.09x of torch.mm (its float32 FMAs bound
-# it): so four rows at most. With AMX the forms measured there stay (see _linear).
+# it): so four rows at most. With AMX, small_matmul runs on the tiles instead (_TILE_ROWS).
 _SMALL_ROWS = 4
 _small_kernel = None  # whether small_matmul runs on this CPU: probed on first use
+# With AMX, small_matmul multiplies on the tiles (ops.small_matmul_tiles), reading each expert
+# weight as it lies, where torch's oneDNN product repacks it on every call (or multiplies in the
+# swapped form): blocks of at most _TILE_ROWS rows take it (see _small_rows; the figures are in
+# _tiles_here).
+_TILE_ROWS = 192
+_small_tiles = None  # whether small_matmul runs on AMX tiles here: probed on first use
 
 
 def _onednn_bf16() -> bool:
@@ -123,17 +130,18 @@ _ONEDNN_BF16 = _AMX or _onednn_bf16()
 
 
 def _small_rows() -> int:
-    """The most rows of a block that take small_matmul (where _small_ok): _SMALL_ROWS where torch
-    multiplies bf16 by oneDNN, every block elsewhere."""
-    return _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
+    """The most rows of a block that take small_matmul (where _small_ok): _TILE_ROWS with AMX,
+    _SMALL_ROWS where torch multiplies bf16 by oneDNN without it, every block elsewhere."""
+    return _TILE_ROWS if _AMX else _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
 
 
 def _small_ok(x, weight, bias, transposed) -> bool:
-    """Whether the products of x's block take small_matmul (bf16 CPU, [E, out, in] weights)."""
-    if (_AMX or bias is not None or transposed or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+    """Whether the products of x's block take small_matmul (bf16 CPU, [E, out, in] weights; with
+    AMX only where small_matmul runs on the tiles)."""
+    if (bias is not None or transposed or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or x.device.type != "cpu" or weight.stride(-1) != 1):
         return False
-    return _kernel_here()
+    return _kernel_here() and (not _AMX or _tiles_here())
 
 
 def _own_products(g, weight) -> bool:
@@ -194,6 +202,26 @@ def _kernel_here() -> bool:
         one = torch.ones(1, 1, dtype=torch.bfloat16, device="cpu")
         _small_kernel = bool(ops.small_matmul.default(torch.empty_like(one), one, one))
     return _small_kernel
+
+
+def _tiles_here() -> bool:
+    """Whether small_matmul multiplies on AMX tiles here (probed once; False under a fake or
+    tracing mode, not kept). On the Xeon with AMX, bf16, two threads, eight weights of each shape
+    in turn (as a layer's experts come), ms per product, small_matmul on the tiles / the fastest
+    of torch's forms (plain x @ W_e.T, swapped (W_e @ x.T).T, or the matrix-vector product), at 1
+    / 8 / 32 / 128 / 256 / 512 rows: Mixtral's up (7168 x 1024) 0.35 / 0.34 / 0.46 / 1.08 / 1.85 /
+    3.35 against 0.43 / 0.51 / 0.89 / 1.56 / 2.09 / 3.35; its down (1024 x 3584) at 1 / 32 / 128 /
+    256 / 512 rows 0.15 / 0.16 / 0.38 / 0.99 / 2.59 against 0.20 / 0.25 / 0.63 / 0.95 / 1.82;
+    Qwen3-MoE's up (768 x 1024) at 8 / 128 / 256 / 512 rows 0.035 / 0.107 / 0.182 / 0.368 against
+    0.064 / 0.144 / 0.206 / 0.353, its down (1024 x 384) 0.020 / 0.061 / 0.108 / 0.199 against
+    0.049 / 0.082 / 0.106 / 0.163. So the tiles to 192 rows, about even at 256, slower from 512
+    (x packed for a call outgrows the L2)."""
+    global _small_tiles
+    if _small_tiles is None:
+        if torch._C._len_torch_dispatch_stack():
+            return False
+        _small_tiles = bool(ops.small_matmul_tiles.default(torch.empty(0, dtype=torch.bfloat16, device="cpu")))
+    return _small_tiles
 
 
 def _mostly_small(group, x, weight, bias, transposed) -> bool:
@@ -600,8 +628,8 @@ def _experts_group(g, xs, ends, weights, transposed, gate, token, hs, cast, grou
         g, ends = [(e - e0, start, stop) for e, start, stop in g], ends[e0:e1]
         grouped = _grouped_ok(x, w_in, b_in, w_out, b_out, transposed)
     # The swapped grouped form (AMX) leaves its pre-activations transposed: not where hs is kept.
-    if grouped and (_swap_pays(g, width) and hs is None if _AMX else
-                    len(g) > 1 and not _mostly_small(g, x, w_in, b_in, transposed)):
+    if grouped and (_swap_pays(g, width) and hs is None if _AMX else len(g) > 1) and not _mostly_small(
+            g, x, w_in, b_in, transposed):
         h_out = None if hs is None else hs[first:end]
         ys[first:end] = (_grouped_swapped if _AMX else _grouped_plain)(x, ends, g, w_in, w_out, gate, h_out)
         return
