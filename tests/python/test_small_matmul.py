@@ -383,7 +383,7 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, oned
     monkeypatch.setattr(moe, "ops", Counting)
     with torch.no_grad():
         ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
-    limit = moe._small_rows()
+    limit = moe._small_rows(hidden)
     assert limit == (moe._SMALL_ROWS if onednn else 1 << 62)
     small_blocks = sum(1 for r in rows if 0 < r <= limit)
     looped = served(sa) and 2 * small_blocks >= sum(1 for r in rows if r > 0)
@@ -430,3 +430,59 @@ def test_experts_loop_gate_output_in_any_layout_keeps_each_blocks_product(sa, mo
         monkeypatch.setattr(moe, "_small_grouped", lambda *args: False)
         want = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
     assert torch.equal(ys.view(torch.int16), want.view(torch.int16))
+
+
+def test_experts_loop_with_tiles_multiplies_wide_down_rows_by_block(sa, monkeypatch):
+    """With AMX's tiles, a gate group whose up products take one small_matmul_grouped call but
+    whose down products' rows are wider than the tiles take at once (_small_rows) multiplies those
+    block by block, once each, without multiplying the up products again; every block has the
+    bits of its own products."""
+    if not served(sa):
+        pytest.skip("small_matmul has no kernel on this CPU (below AVX2)")
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_AMX", True)
+    monkeypatch.setattr(moe, "_small_tiles", True)  # the vector kernel stands in where there are no tiles
+    monkeypatch.setattr(moe, "_small_kernel", True)
+    g = torch.Generator().manual_seed(9)
+    e_count, hidden, inter = 3, 64, 40 * 32  # down rows of 40 steps of 32 columns: at most 384 rows
+    w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
+    w_out = (0.05 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
+    monkeypatch.setattr(moe, "_TILE_ROWS", 1000)
+    assert moe._small_rows(hidden) == 1000 and moe._small_rows(inter) == 384
+    monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1 << 30)  # one gate group
+    monkeypatch.setattr(moe, "_TEAMS", False)
+    rows = [390, 2, 5]
+    ends = torch.tensor(rows).cumsum(0)
+    xs = torch.randn(int(ends[-1]), hidden, generator=g).bfloat16()
+
+    def gate(h):
+        return torch.relu(h[:, :inter]) * h[:, inter:]
+
+    calls = {"small_matmul": 0, "small_matmul_grouped": 0}
+    real = moe.ops
+
+    class Counting:
+        @staticmethod
+        def __getattr__(name):
+            return getattr(real, name)
+
+    for name in calls:
+        def counted(*args, name=name):
+            calls[name] += 1
+            return getattr(real, name).default(*args)
+        setattr(Counting, name, type(name, (), {"default": staticmethod(counted)}))
+    monkeypatch.setattr(moe, "ops", Counting)
+    with torch.no_grad():
+        ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    assert calls == {"small_matmul_grouped": 1, "small_matmul": 2}  # the up products in one call; 2 small downs
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        h = torch.empty(end - start, 2 * inter, dtype=torch.bfloat16)
+        assert real.small_matmul.default(h, xs[start:end], w_in[e])
+        if end - start <= 384:
+            want = torch.empty(end - start, hidden, dtype=torch.bfloat16)
+            assert real.small_matmul.default(want, gate(h), w_out[e])
+        else:
+            want = moe._linear(gate(h), w_out, e, None, False)
+        assert torch.equal(ys[start:end].view(torch.int16), want.view(torch.int16)), e
+        start = end

@@ -129,10 +129,16 @@ def _onednn_bf16() -> bool:
 _ONEDNN_BF16 = _AMX or _onednn_bf16()
 
 
-def _small_rows() -> int:
-    """The most rows of a block that take small_matmul (where _small_ok): _TILE_ROWS with AMX,
-    _SMALL_ROWS where torch multiplies bf16 by oneDNN without it, every block elsewhere."""
-    return _TILE_ROWS if _AMX else _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
+def _small_rows(cols: int) -> int:
+    """The most rows of a block of `cols` columns that take small_matmul (where _small_ok): with
+    AMX, _TILE_ROWS, and no more than the tiles pack at once (a row of x takes 64 bytes per 32
+    columns there, and the kernel packs at most 1 MiB of rows, at least 32, per pass over the
+    weight: beyond, the weight is read again for each pass, which cost more than torch's product
+    at Mixtral-8x7B's down projection, 14336 columns: 7.9 against 7.3 ms at 64 rows); without
+    AMX _SMALL_ROWS where torch multiplies bf16 by oneDNN, every block elsewhere."""
+    if _AMX:
+        return min(_TILE_ROWS, max(32, (1 << 14) // max(1, -(-cols // 32)) // 32 * 32))
+    return _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
 
 
 def _small_ok(x, weight, bias, transposed) -> bool:
@@ -159,14 +165,14 @@ def _own_products(g, weight) -> bool:
 def _own_product(x, weight, bias, transposed, out):
     """This library's product for x @ W_e (+ b_e), or None for torch's: where _own_products, every
     block (small_matmul_nn for GPT-OSS's transposed [E, in, out] weights, small_matmul for [E, out,
-    in]; a bias is added after it); elsewhere small_matmul for blocks of at most _small_rows() rows
+    in]; a bias is added after it); elsewhere small_matmul for blocks of at most _small_rows(in) rows
     where _small_ok. Rows and `out` must have unit column stride."""
     m = x.shape[0]
     if m == 0 or x.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
         return None
     if _own_products(x, weight):
         return ops.small_matmul_nn if transposed else ops.small_matmul
-    if m <= _small_rows() and _small_ok(x, weight, bias, transposed):
+    if m <= _small_rows(x.shape[1]) and _small_ok(x, weight, bias, transposed):
         return ops.small_matmul
     return None
 
@@ -183,12 +189,12 @@ def _small_grouped(x, weight, e0, ends, longest, out) -> bool:
     """out[block] = x[block] @ W_e.T for the blocks of experts e0, e0 + 1, ... in one
     small_matmul_grouped call (ends: an int tensor, where each of those experts' rows end in x and
     out), where _linear would multiply each of them by small_matmul ([E, out, in] weights without
-    bias; every block where _own_products, blocks of at most _small_rows() rows where _small_ok):
+    bias; every block where _own_products, blocks of at most _small_rows(in) rows where _small_ok):
     the same bits, one call where the loop pays one per block (about 7 us each through the
     dispatcher, plus the slicing) and a parallel region each. Returns whether it ran."""
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not _stacked(weight):
         return False
-    if not (_own_products(x, weight) or (longest <= _small_rows() and _small_ok(x, weight, None, False))):
+    if not (_own_products(x, weight) or (longest <= _small_rows(x.shape[1]) and _small_ok(x, weight, None, False))):
         return False
     return bool(ops.small_matmul_grouped.default(out, x, weight[e0:e0 + ends.shape[0]], ends))
 
@@ -227,7 +233,7 @@ def _tiles_here() -> bool:
 def _mostly_small(group, x, weight, bias, transposed) -> bool:
     """Whether at least half of a gate group's blocks take small_matmul: the group then stays in
     the loop (_experts_loop), whose _linear multiplies those blocks with it."""
-    limit = _small_rows()
+    limit = _small_rows(x.shape[1])
     small = sum(stop - start <= limit for _, start, stop in group)
     return 2 * small >= len(group) and _small_ok(x, weight, bias, transposed)
 
@@ -259,7 +265,7 @@ def _linear(x, weight, e, bias, transposed, out=None, swap=True):
     2.09 at one row, 0.73 / 2.15 at 2 rows, 1.17 / 2.21 at 8, 2.03 / 1.79 at 32, 5.43 / 6.26 at
     128; Qwen3-MoE's up 0.09 / 0.09 / 0.19 at one row, 0.09 / 0.20 at 2, 0.11 / 0.20 at 8. So
     there (and off the CPU) only the plain form runs, except for bf16 blocks of at most
-    _small_rows() rows, which take this library's small_matmul (see _small_ok)."""
+    _small_rows(in) rows, which take this library's small_matmul (see _small_ok)."""
     w = weight[e]
     amx = _AMX and x.device.type == "cpu"
     own = _own_product(x, weight, bias, transposed, out) if swap else None
@@ -567,7 +573,7 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     wrote pre-activations far larger than the caches into fresh memory (Mixtral block, 8192
     tokens: 235 MB, 0.76x of eager). A group of small blocks takes torch's grouped product
     (_grouped_swapped, or _grouped_plain without AMX) where it can; without AMX a bf16 group
-    whose blocks are mostly of at most _small_rows() rows (every block on AVX2 CPUs) stays in
+    whose blocks are mostly of at most _small_rows(in) rows (every block on AVX2 CPUs) stays in
     the loop, where those blocks take small_matmul (_linear): one small_matmul_grouped call per
     product for the group where every block does (_small_grouped). Block forwards, bf16, two
     threads, an EPYC without AVX-512, medians of 10-15 alternated rounds in two runs, ms, a call
@@ -638,8 +644,11 @@ def _experts_group(g, xs, ends, weights, transposed, gate, token, hs, cast, grou
         offs, longest = _group_offsets(x, ends, g), max(stop - start for _, start, stop in g)
         if _small_grouped(x, w_in, g[0][0], offs, longest, buf[:end - first]):
             a = gate(buf[:end - first])
-            if _small_grouped(a, w_out, g[0][0], offs, longest, ys[first:end]):
-                return
+            if not _small_grouped(a, w_out, g[0][0], offs, longest, ys[first:end]):
+                # the down products' wider rows past the tiles' limit (_small_rows)
+                for e, start, stop in g:
+                    _linear(a[start - first:stop - first], w_out, e, b_out, transposed, out=ys[start:stop])
+            return
     for e, start, stop in g:
         _linear(x[start - first:stop - first], w_in, e, b_in, transposed, out=buf[start - first:stop - first])
     a = gate(buf[:end - first])
