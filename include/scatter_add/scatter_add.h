@@ -154,7 +154,8 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
 // operations whatever the number of rows, so the bits depend on neither (they do depend on the
 // ISA level: 8 lanes at avx2, 16 from avx512; and on AMX tiles, see amx_tiles(), each element is
 // summed in 32-column steps by the tiles' dot products, with w's tiles read as they lie and x
-// packed once per call). Returns false, writing nothing, when no kernel
+// packed once per call; the tiles count subnormal inputs as zero and flush subnormal sums to
+// zero, as torch's own bf16 products on AMX do). Returns false, writing nothing, when no kernel
 // serves the call (the scalar level); throws Error on a dtype, shape or overlap problem.
 bool small_matmul(const Matrix& y, const ConstMatrix& x, const ConstMatrix& w, const Options& options = {});
 
