@@ -575,7 +575,9 @@ bool small_matmul_grouped_op(const Tensor& y, const Tensor& x, const Tensor& w, 
 
 // Whether small_matmul (and small_matmul_grouped) multiply on AMX tiles here (sa::amx_tiles):
 // set = -1 asks; 0 or 1 turns the tiles off or on for the process (tests, benchmarks) and returns
-// what is then in effect. x only places the call on the CPU.
+// what is then in effect. x only places the call on the CPU. The MoE module asks once per
+// process and routes its blocks by that answer: to run it without the tiles, set
+// SCATTER_ADD_CPU_AMX=0 before the process starts.
 bool small_matmul_tiles_op(const Tensor& x, int64_t set) {
   const char* op = "small_matmul_tiles";
   const Info xi(defined(op, "x", x));

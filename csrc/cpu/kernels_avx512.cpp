@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "convert.h"
@@ -299,6 +300,8 @@ T* lines(std::vector<unsigned char>& v, size_t count) {
   return reinterpret_cast<T*>((p + 63) & ~uintptr_t{63});
 }
 
+constexpr int64_t kTileMaxCols = int64_t{1} << 16;
+
 void small_matmul_amx_rows(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
   const int64_t m = j.m, k = j.cols, kc = (k + 31) / 32, kfull = k / 32, mb = (m + 15) / 16;
   static thread_local std::vector<unsigned char> xs, ws;
@@ -326,18 +329,22 @@ void small_matmul_amx_rows(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
   }
   _tile_loadconfig(&cfg);
   alignas(64) float cb[4][256];
-  // A panel of 32 w rows with zeros past its rows or columns, where tile loads cannot read w as
-  // it lies: [column step][2 tiles][16 rows][32 columns]
-  uint16_t* wp = lines<uint16_t>(ws, static_cast<size_t>(kc * 1024));
+  // Steps of a panel of 32 w rows that tile loads cannot read as w lies (past its last column, or
+  // all of a last panel of fewer rows), copied with zeros past w: [step][2 tiles][16 rows][32
+  // columns], from step pad_min on.
+  const int64_t pad_min = (o1 - o0) % 32 != 0 ? 0 : kfull;
+  uint16_t* wp = lines<uint16_t>(ws, static_cast<size_t>((kc - pad_min) * 1024));
   for (int64_t n0 = o0; n0 < o1; n0 += 32) {
     const int64_t nn = std::min<int64_t>(32, o1 - n0);
-    const bool whole = nn == 32;
-    const int64_t pad_from = whole ? kfull : 0;  // the steps read from the padded panel
+    const int64_t pad_from = nn == 32 ? kfull : 0;  // the steps read from the padded panel
     if (pad_from < kc) {
-      std::fill(wp + pad_from * 1024, wp + kc * 1024, uint16_t{0});
-      for (int64_t r = 0; r < nn; ++r)
-        for (int64_t c = 32 * pad_from; c < k; ++c)
-          wp[(c / 32) * 1024 + (r / 16) * 512 + (r % 16) * 32 + c % 32] = j.w[(n0 + r) * j.w_stride + c];
+      std::fill(wp + (pad_from - pad_min) * 1024, wp + (kc - pad_min) * 1024, uint16_t{0});
+      for (int64_t r = 0; r < nn; ++r) {
+        const uint16_t* row = j.w + (n0 + r) * j.w_stride;
+        for (int64_t c = pad_from; c < kc; ++c)
+          std::memcpy(wp + (c - pad_min) * 1024 + (r / 16) * 512 + (r % 16) * 32, row + 32 * c,
+                      static_cast<size_t>(std::min<int64_t>(32, k - 32 * c)) * 2);
+      }
     }
     const uint16_t* w0 = j.w + n0 * j.w_stride;
     const int64_t w_bytes = j.w_stride * 2;
@@ -352,8 +359,8 @@ void small_matmul_amx_rows(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
           _tile_loadd(4, w0 + 32 * c, w_bytes);
           _tile_loadd(5, w0 + 16 * j.w_stride + 32 * c, w_bytes);
         } else {
-          _tile_loadd(4, wp + c * 1024, 64);
-          _tile_loadd(5, wp + c * 1024 + 512, 64);
+          _tile_loadd(4, wp + (c - pad_min) * 1024, 64);
+          _tile_loadd(5, wp + (c - pad_min) * 1024 + 512, 64);
         }
         _tile_loadd(6, xp + (b * kc + c) * 256, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -383,12 +390,20 @@ void small_matmul_amx_rows(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
     }
   }
   _tile_release();
+  // Scratch kept for the next call up to a few MiB; a call with very wide rows frees its own.
+  constexpr size_t kKeep = size_t{4} << 20;
+  if (xs.capacity() > kKeep) std::vector<unsigned char>().swap(xs);
+  if (ws.capacity() > kKeep) std::vector<unsigned char>().swap(ws);
 }
 
 // Rows of x a few hundred at a time, so that their packed copy (64 bytes per row and 32 columns)
 // stays within 1 MiB, in the L2, while every w panel passes it; each element's sum is the same
 // in any such split.
 void small_matmul_amx(const SmallMatmulJob& j, int64_t o0, int64_t o1) {
+  // Rows of more than 65536 columns take the vector kernel: packed at 16 rows or more a tile,
+  // one such row cost 32 MiB of scratch and 53 ms where the vector kernel took 0.16 ms (1M
+  // columns, one row, one column of y). The choice follows the shape alone, never the split.
+  if (j.cols > kTileMaxCols) return small_matmul(j, o0, o1);
   const int64_t steps = std::max<int64_t>(1, (j.cols + 31) / 32);
   const int64_t chunk = std::max<int64_t>(32, (int64_t{1} << 14) / steps / 32 * 32);
   for (int64_t i = 0; i < j.m; i += chunk) {

@@ -152,8 +152,8 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,
 // row of w is read once for a few rows of x, and a tile of w rows is passed by every row of x
 // while it is in the cache. Threads split the rows of w, and each element is summed by the same
 // operations whatever the number of rows, so the bits depend on neither (they do depend on the
-// ISA level: 8 lanes at avx2, 16 from avx512; and on AMX tiles, see amx_tiles(), each element is
-// summed in 32-column steps by the tiles' dot products, with w's tiles read as they lie and x
+// ISA level: 8 lanes at avx2, 16 from avx512; and on AMX tiles, see amx_tiles(), for rows of up
+// to 65536 columns, each element is summed in 32-column steps by the tiles' dot products, with w's tiles read as they lie and x
 // packed once per call; the tiles count subnormal inputs as zero and flush subnormal sums to
 // zero, as torch's own bf16 products on AMX do). Returns false, writing nothing, when no kernel
 // serves the call (the scalar level); throws Error on a dtype, shape or overlap problem.

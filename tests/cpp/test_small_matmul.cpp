@@ -182,6 +182,33 @@ TEST(SmallMatmul, TilesWhereTheCpuLevelAndBuildHaveThem) {
   EXPECT_EQ(sa::amx_tiles(), was);
 }
 
+// Rows of more than 65536 columns take the level's vector kernel even where the tiles are on.
+// Told apart by a subnormal input, which the tiles count as zero and the vector kernels do not:
+// x[0][5] = 1e-39 times w[r][5] = 1e30 is 1e-9 by the vector kernel, 0 on the tiles.
+TEST(SmallMatmul, RowsPastTheTilesWidthTakeTheVectorKernel) {
+  if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx2";
+  std::mt19937_64 rng(19);
+  const bool was = sa::amx_tiles();
+  const bool tiles = sa::set_amx_tiles(true);
+  for (int64_t h : {int64_t{65536}, int64_t{70000}}) {
+    Mm t(1, 3, h, 0, rng);
+    std::fill(t.x.bytes.begin(), t.x.bytes.end(), 0);
+    std::fill(t.w.bytes.begin(), t.w.bytes.end(), 0);
+    t.x.set(5, 1e-39);
+    for (int64_t r = 0; r < 3; ++r) t.w.set(static_cast<size_t>(r * t.ws + 5), 1e30);
+    ASSERT_TRUE(t.run(2));
+    const bool on_tiles = tiles && h <= 65536;
+    for (int64_t r = 0; r < 3; ++r) {
+      if (on_tiles) {
+        EXPECT_EQ(t.y.get(static_cast<size_t>(r)), 0.0) << "h=" << h;
+      } else {
+        EXPECT_NEAR(t.y.get(static_cast<size_t>(r)), t.x.get(5) * 1e30, 1e-11) << "h=" << h;
+      }
+    }
+  }
+  sa::set_amx_tiles(was);
+}
+
 TEST(SmallMatmul, DeclinesTheScalarLevel) {
   std::mt19937_64 rng(5);
   const sa::Isa was = sa::active_isa();

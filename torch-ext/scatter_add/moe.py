@@ -211,8 +211,10 @@ def _kernel_here() -> bool:
 
 
 def _tiles_here() -> bool:
-    """Whether small_matmul multiplies on AMX tiles here (probed once; False under a fake or
-    tracing mode, not kept). On the Xeon with AMX, bf16, two threads, eight weights of each shape
+    """Whether small_matmul multiplies on AMX tiles here (probed once per process, so a later
+    ops.small_matmul_tiles(x, 0) leaves the blocks routed to the vector kernel, several times
+    slower than torch's products from 8 rows: SCATTER_ADD_CPU_AMX=0 at start turns both off;
+    False under a fake or tracing mode, not kept). On the Xeon with AMX, bf16, two threads, eight weights of each shape
     in turn (as a layer's experts come), ms per product, small_matmul on the tiles / the fastest
     of torch's forms (plain x @ W_e.T, swapped (W_e @ x.T).T, or the matrix-vector product), at 1
     / 8 / 32 / 128 / 256 / 512 rows: Mixtral's up (7168 x 1024) 0.35 / 0.34 / 0.46 / 1.08 / 1.85 /
