@@ -343,28 +343,9 @@ def test_moe_probe_under_a_fake_mode_is_not_kept(sa, monkeypatch):
     assert moe._small_tiles == on
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn_bf16", "reference_bf16"])
-@pytest.mark.parametrize("rows", [[1, 0, 2, 1], [3, 4, 1, 2], [9, 1, 12, 20], [1, 2, 9, 1]])
-def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, onednn):
-    """The MoE experts loop (no grad, bf16, without AMX) multiplies blocks of at most four rows
-    with small_matmul where torch multiplies bf16 by oneDNN, every block where it does not; the
-    rest as before. A group whose blocks all take it makes one small_matmul_grouped call per
-    product, a group with larger blocks a small_matmul call per small block. Every block equals
-    its own product."""
-    moe = sa.moe
-    monkeypatch.setattr(moe, "_AMX", False)
-    monkeypatch.setattr(moe, "_ONEDNN_BF16", onednn)
-    monkeypatch.setattr(moe, "_small_kernel", served(sa))  # probed here, not counted below
-    g = torch.Generator().manual_seed(5)
-    e_count, hidden, inter = 4, 64, 40
-    w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
-    w_out = (0.2 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
-    ends = torch.tensor(rows).cumsum(0)
-    xs = torch.randn(int(ends[-1]), hidden, generator=g).bfloat16()
-
-    def gate(h):
-        return torch.relu(h[:, :inter]) * h[:, inter:]
-
+def count_ops(moe, monkeypatch):
+    """moe.ops replaced by a stand-in that counts its small_matmul and small_matmul_grouped
+    calls: (the counts, the real ops)."""
     calls = {"small_matmul": 0, "small_matmul_grouped": 0}
     real = moe.ops
 
@@ -381,8 +362,42 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, oned
         small_matmul_grouped = counted("small_matmul_grouped")
 
     monkeypatch.setattr(moe, "ops", Counting)
+    return calls, real
+
+
+def counted_loop(moe, monkeypatch, rows, w_in, w_out, g):
+    """moe._experts_loop (no grad) over blocks of `rows` rows of random bf16 x, with a relu gate
+    and the ops counted (count_ops): xs, ends, the gate, the output, the counts, the real ops."""
+    inter = w_out.shape[2]
+    ends = torch.tensor(rows).cumsum(0)
+    xs = torch.randn(int(ends[-1]), w_in.shape[2], generator=g).bfloat16()
+
+    def gate(h):
+        return torch.relu(h[:, :inter]) * h[:, inter:]
+
+    calls, real = count_ops(moe, monkeypatch)
     with torch.no_grad():
         ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    return xs, ends, gate, ys, calls, real
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn_bf16", "reference_bf16"])
+@pytest.mark.parametrize("rows", [[1, 0, 2, 1], [3, 4, 1, 2], [9, 1, 12, 20], [1, 2, 9, 1]])
+def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, onednn):
+    """The MoE experts loop (no grad, bf16, without AMX) multiplies blocks of at most four rows
+    with small_matmul where torch multiplies bf16 by oneDNN, every block where it does not; the
+    rest as before. A group whose blocks all take it makes one small_matmul_grouped call per
+    product, a group with larger blocks a small_matmul call per small block. Every block equals
+    its own product."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_AMX", False)
+    monkeypatch.setattr(moe, "_ONEDNN_BF16", onednn)
+    monkeypatch.setattr(moe, "_small_kernel", served(sa))  # probed here, not counted below
+    g = torch.Generator().manual_seed(5)
+    e_count, hidden, inter = 4, 64, 40
+    w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
+    w_out = (0.2 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
+    xs, ends, gate, ys, calls, real = counted_loop(moe, monkeypatch, rows, w_in, w_out, g)
     limit = moe._small_rows(hidden)
     assert limit == (moe._SMALL_ROWS if onednn else 1 << 62)
     small_blocks = sum(1 for r in rows if 0 < r <= limit)
@@ -452,28 +467,7 @@ def test_experts_loop_with_tiles_multiplies_wide_down_rows_by_block(sa, monkeypa
     monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1 << 30)  # one gate group
     monkeypatch.setattr(moe, "_TEAMS", False)
     rows = [390, 2, 5]
-    ends = torch.tensor(rows).cumsum(0)
-    xs = torch.randn(int(ends[-1]), hidden, generator=g).bfloat16()
-
-    def gate(h):
-        return torch.relu(h[:, :inter]) * h[:, inter:]
-
-    calls = {"small_matmul": 0, "small_matmul_grouped": 0}
-    real = moe.ops
-
-    class Counting:
-        @staticmethod
-        def __getattr__(name):
-            return getattr(real, name)
-
-    for name in calls:
-        def counted(*args, name=name):
-            calls[name] += 1
-            return getattr(real, name).default(*args)
-        setattr(Counting, name, type(name, (), {"default": staticmethod(counted)}))
-    monkeypatch.setattr(moe, "ops", Counting)
-    with torch.no_grad():
-        ys = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+    xs, ends, gate, ys, calls, real = counted_loop(moe, monkeypatch, rows, w_in, w_out, g)
     assert calls == {"small_matmul_grouped": 1, "small_matmul": 2}  # the up products in one call; 2 small downs
     start = 0
     for e, end in enumerate(ends.tolist()):
