@@ -1,7 +1,7 @@
 """ops.small_matmul (y = x @ w.T in bf16, the MoE experts' products): accuracy against float64
 next to torch.mm's, the same bits on 1 and 2 threads and for any number of rows (on AMX tiles
-and on the vector kernels), ops.small_matmul_tiles, the level it declines, errors that name the argument and leave y untouched, fake tensors, and its use by the
-MoE experts loop."""
+and on the vector kernels), ops.small_matmul_tiles, the level it declines, errors that name the
+argument and leave y untouched, fake tensors, and its use by the MoE experts loop."""
 import os
 import re
 import subprocess
@@ -55,7 +55,8 @@ def test_tiles_op_asks_turns_and_checks(sa):
         assert op(probe, 1) is on and op(probe) is on
     finally:
         op(probe, int(on))
-    with pytest.raises(RuntimeError, match=re.escape("small_matmul_tiles: set must be -1 (ask), 0 (off) or 1 (on), got 2")):
+    message = "small_matmul_tiles: set must be -1 (ask), 0 (off) or 1 (on), got 2"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
         op(probe, 2)
     assert op(torch.empty(0, device="meta")) is False  # meta and fake tensors: the fake's answer
     with FakeTensorMode():
@@ -398,7 +399,7 @@ def test_experts_loop_takes_it_for_small_bf16_blocks(sa, monkeypatch, rows, oned
     w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
     w_out = (0.2 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
     xs, ends, gate, ys, calls, real = counted_loop(moe, monkeypatch, rows, w_in, w_out, g)
-    limit = moe._small_rows(hidden)
+    limit = moe._small_rows(hidden, w_in)
     assert limit == (moe._SMALL_ROWS if onednn else 1 << 62)
     small_blocks = sum(1 for r in rows if 0 < r <= limit)
     looped = served(sa) and 2 * small_blocks >= sum(1 for r in rows if r > 0)
@@ -449,9 +450,9 @@ def test_experts_loop_gate_output_in_any_layout_keeps_each_blocks_product(sa, mo
 
 def test_experts_loop_with_tiles_multiplies_wide_down_rows_by_block(sa, monkeypatch):
     """With AMX's tiles, a gate group whose up products take one small_matmul_grouped call but
-    whose down products' rows are wider than the tiles take at once (_small_rows) multiplies those
-    block by block, once each, without multiplying the up products again; every block has the
-    bits of its own products."""
+    whose down products' rows are wider than the tiles take in the passes allowed (_small_rows)
+    multiplies those block by block, once each, without multiplying the up products again;
+    every block has the bits of its own products."""
     if not served(sa):
         pytest.skip("small_matmul has no kernel on this CPU (below AVX2)")
     moe = sa.moe
@@ -463,7 +464,9 @@ def test_experts_loop_with_tiles_multiplies_wide_down_rows_by_block(sa, monkeypa
     w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
     w_out = (0.05 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
     monkeypatch.setattr(moe, "_TILE_ROWS", 1000)
-    assert moe._small_rows(hidden) == 1000 and moe._small_rows(inter) == 384
+    assert moe._small_rows(inter, w_out) == 768  # two passes over a weight of at most 16 MiB
+    monkeypatch.setattr(moe, "_TILE_REREAD_BYTES", 0)  # one pass
+    assert moe._small_rows(hidden, w_in) == 1000 and moe._small_rows(inter, w_out) == 384
     monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1 << 30)  # one gate group
     monkeypatch.setattr(moe, "_TEAMS", False)
     rows = [390, 2, 5]

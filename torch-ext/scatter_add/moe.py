@@ -110,6 +110,7 @@ _small_kernel = None  # whether small_matmul runs on this CPU: probed on first u
 # swapped form): blocks of at most _TILE_ROWS rows take it (see _small_rows; the figures are in
 # _tiles_here).
 _TILE_ROWS = 192
+_TILE_REREAD_BYTES = 16 << 20  # see _small_rows
 _small_tiles = None  # whether small_matmul runs on AMX tiles here: probed on first use
 
 
@@ -129,15 +130,22 @@ def _onednn_bf16() -> bool:
 _ONEDNN_BF16 = _AMX or _onednn_bf16()
 
 
-def _small_rows(cols: int) -> int:
-    """The most rows of a block of `cols` columns that take small_matmul (where _small_ok): with
-    AMX, _TILE_ROWS, and no more than the tiles pack at once (a row of x takes 64 bytes per 32
-    columns there, and the kernel packs at most 1 MiB of rows, at least 32, per pass over the
-    weight: beyond, the weight is read again for each pass, which cost more than torch's product
-    at Mixtral-8x7B's down projection, 14336 columns: 7.9 against 7.3 ms at 64 rows); without
-    AMX _SMALL_ROWS where torch multiplies bf16 by oneDNN, every block elsewhere."""
+def _small_rows(cols: int, weight) -> int:
+    """The most rows of a block of `cols` columns that take small_matmul with one expert of
+    `weight` (where _small_ok): with AMX, _TILE_ROWS, and no more than two passes of the tiles'
+    kernel over the expert's weight where it holds at most _TILE_REREAD_BYTES, one pass where it
+    holds more (a row of x takes 64 bytes per 32 columns there, and the kernel packs at most 1 MiB
+    of rows, at least 32, per pass over the weight, which it reads again for each pass). Measured:
+    Mixtral's down projection (3584 columns, 128 rows a pass, 7 MiB) on the tiles at 256 rows,
+    0.730 ms against torch's 0.843, and its block at 512 tokens 1.12x -> 1.23x and 1.25x of the
+    best built-in with two passes allowed (two runs); Mixtral-8x7B's (14336 columns, 32 rows a
+    pass, 112 MiB) at 64 rows 7.9 ms against 7.3, and that block at 512 tokens 0.85x of eager
+    before the limit. Without AMX _SMALL_ROWS where torch multiplies bf16 by oneDNN, every block
+    elsewhere."""
     if _AMX:
-        return min(_TILE_ROWS, max(32, (1 << 14) // max(1, -(-cols // 32)) // 32 * 32))
+        one_pass = max(32, (1 << 14) // max(1, -(-cols // 32)) // 32 * 32)
+        passes = 2 if weight[0].numel() * weight.element_size() <= _TILE_REREAD_BYTES else 1
+        return min(_TILE_ROWS, passes * one_pass)
     return _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
 
 
@@ -172,7 +180,7 @@ def _own_product(x, weight, bias, transposed, out):
         return None
     if _own_products(x, weight):
         return ops.small_matmul_nn if transposed else ops.small_matmul
-    if m <= _small_rows(x.shape[1]) and _small_ok(x, weight, bias, transposed):
+    if m <= _small_rows(x.shape[1], weight) and _small_ok(x, weight, bias, transposed):
         return ops.small_matmul
     return None
 
@@ -194,7 +202,8 @@ def _small_grouped(x, weight, e0, ends, longest, out) -> bool:
     dispatcher, plus the slicing) and a parallel region each. Returns whether it ran."""
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not _stacked(weight):
         return False
-    if not (_own_products(x, weight) or (longest <= _small_rows(x.shape[1]) and _small_ok(x, weight, None, False))):
+    if not (_own_products(x, weight)
+            or (longest <= _small_rows(x.shape[1], weight) and _small_ok(x, weight, None, False))):
         return False
     return bool(ops.small_matmul_grouped.default(out, x, weight[e0:e0 + ends.shape[0]], ends))
 
@@ -235,7 +244,7 @@ def _tiles_here() -> bool:
 def _mostly_small(group, x, weight, bias, transposed) -> bool:
     """Whether at least half of a gate group's blocks take small_matmul: the group then stays in
     the loop (_experts_loop), whose _linear multiplies those blocks with it."""
-    limit = _small_rows(x.shape[1])
+    limit = _small_rows(x.shape[1], weight)
     small = sum(stop - start <= limit for _, start, stop in group)
     return 2 * small >= len(group) and _small_ok(x, weight, bias, transposed)
 
