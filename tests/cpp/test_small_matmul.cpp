@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "scatter_add/scatter_add.h"
@@ -132,15 +133,16 @@ TEST(SmallMatmul, SpecialValues) {
 TEST(SmallMatmul, RowsGiveTheBitsOfOneRowCalls) {
   if (!served()) GTEST_SKIP() << "no small_matmul kernel below avx2";
   std::mt19937_64 rng(13);
-  for (int64_t m : {2, 5, 9, 24, 37}) {
-    Mm t(m, 45, 130, 3, rng);
+  // (70 rows of 16000 columns: three passes of the AMX kernel, of 32, 32 and 6 rows)
+  for (auto [m, h] : {std::pair<int64_t, int64_t>{2, 130}, {5, 130}, {9, 130}, {24, 130}, {37, 130}, {70, 16000}}) {
+    Mm t(m, 45, h, 3, rng);
     ASSERT_TRUE(t.run(2));
     for (int64_t i = 0; i < m; ++i) {
       Buf one = random_buf(DType::bf16, static_cast<size_t>(45), rng);
       sa::Options opt;
       opt.num_threads = 1;
       ASSERT_TRUE(sa::small_matmul({one.data(), 1, 45, 45, DType::bf16},
-                                   {static_cast<const uint16_t*>(t.x.data()) + i * t.xs, 1, 130, t.xs, DType::bf16},
+                                   {static_cast<const uint16_t*>(t.x.data()) + i * t.xs, 1, h, t.xs, DType::bf16},
                                    t.wm(), opt));
       for (int64_t r = 0; r < 45; ++r)
         ASSERT_EQ(one.get(static_cast<size_t>(r)), t.y.get(static_cast<size_t>(i * t.ys + r)))

@@ -460,23 +460,23 @@ def test_experts_loop_with_tiles_multiplies_wide_down_rows_by_block(sa, monkeypa
     monkeypatch.setattr(moe, "_small_tiles", True)  # the vector kernel stands in where there are no tiles
     monkeypatch.setattr(moe, "_small_kernel", True)
     g = torch.Generator().manual_seed(9)
-    e_count, hidden, inter = 3, 64, 40 * 32  # down rows of 40 steps of 32 columns: at most 384 rows
+    e_count, hidden, inter = 3, 64, 80 * 32  # down rows of 80 steps of 32 columns: 288 rows a pass
     w_in = (0.2 * torch.randn(e_count, 2 * inter, hidden, generator=g)).bfloat16()
     w_out = (0.05 * torch.randn(e_count, hidden, inter, generator=g)).bfloat16()
     monkeypatch.setattr(moe, "_TILE_ROWS", 1000)
-    assert moe._small_rows(inter, w_out) == 768  # two passes over a weight of at most 16 MiB
+    assert moe._small_rows(inter, w_out) == 576  # two passes over a weight of at most 16 MiB
     monkeypatch.setattr(moe, "_TILE_REREAD_BYTES", 0)  # one pass
-    assert moe._small_rows(hidden, w_in) == 1000 and moe._small_rows(inter, w_out) == 384
+    assert moe._small_rows(hidden, w_in) == 1000 and moe._small_rows(inter, w_out) == 288
     monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1 << 30)  # one gate group
     monkeypatch.setattr(moe, "_TEAMS", False)
-    rows = [390, 2, 5]
+    rows = [300, 2, 5]
     xs, ends, gate, ys, calls, real = counted_loop(moe, monkeypatch, rows, w_in, w_out, g)
     assert calls == {"small_matmul_grouped": 1, "small_matmul": 2}  # the up products in one call; 2 small downs
     start = 0
     for e, end in enumerate(ends.tolist()):
         h = torch.empty(end - start, 2 * inter, dtype=torch.bfloat16)
         assert real.small_matmul.default(h, xs[start:end], w_in[e])
-        if end - start <= 384:
+        if end - start <= 288:
             want = torch.empty(end - start, hidden, dtype=torch.bfloat16)
             assert real.small_matmul.default(want, gate(h), w_out[e])
         else:

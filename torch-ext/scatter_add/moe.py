@@ -134,8 +134,10 @@ def _small_rows(cols: int, weight) -> int:
     """The most rows of a block of `cols` columns that take small_matmul with one expert of
     `weight` (where _small_ok): with AMX, _TILE_ROWS, and no more than two passes of the tiles'
     kernel over the expert's weight where it holds at most _TILE_REREAD_BYTES, one pass where it
-    holds more (a row of x takes 64 bytes per 32 columns there, and the kernel packs at most 1 MiB
-    of rows, at least 32, per pass over the weight, which it reads again for each pass). Measured:
+    holds more (a row of x takes 64 bytes per 32 columns there, and the kernel packs at most 1.5
+    MiB of rows, at least 32, per pass over the weight, which it reads again for each pass; a
+    second pass over Mixtral-8x7B's 224 MiB up projection for 4 rows of 132 cost 20 ms). Measured
+    with passes of at most 1 MiB:
     Mixtral's down projection (3584 columns, 128 rows a pass, 7 MiB) on the tiles at 256 rows,
     0.730 ms against torch's 0.843, and its block at 512 tokens 1.12x -> 1.23x and 1.25x of the
     best built-in with two passes allowed (two runs); Mixtral-8x7B's (14336 columns, 32 rows a
@@ -143,7 +145,7 @@ def _small_rows(cols: int, weight) -> int:
     before the limit. Without AMX _SMALL_ROWS where torch multiplies bf16 by oneDNN, every block
     elsewhere."""
     if _AMX:
-        one_pass = max(32, (1 << 14) // max(1, -(-cols // 32)) // 32 * 32)
+        one_pass = max(32, (3 << 13) // max(1, -(-cols // 32)) // 32 * 32)
         passes = 2 if weight[0].numel() * weight.element_size() <= _TILE_REREAD_BYTES else 1
         return min(_TILE_ROWS, passes * one_pass)
     return _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
