@@ -225,16 +225,16 @@ def _tiles_here() -> bool:
     """Whether small_matmul multiplies on AMX tiles here (probed once per process, so a later
     ops.small_matmul_tiles(x, 0) leaves the blocks routed to the vector kernel, several times
     slower than torch's products from 8 rows: SCATTER_ADD_CPU_AMX=0 at start turns both off;
-    False under a fake or tracing mode, not kept). On the Xeon with AMX, bf16, two threads, eight weights of each shape
-    in turn (as a layer's experts come), ms per product, small_matmul on the tiles / the fastest
-    of torch's forms (plain x @ W_e.T, swapped (W_e @ x.T).T, or the matrix-vector product), at 1
-    / 8 / 32 / 128 / 256 / 512 rows: Mixtral's up (7168 x 1024) 0.35 / 0.34 / 0.46 / 1.08 / 1.85 /
-    3.35 against 0.43 / 0.51 / 0.89 / 1.56 / 2.09 / 3.35; its down (1024 x 3584) at 1 / 32 / 128 /
-    256 / 512 rows 0.15 / 0.16 / 0.38 / 0.99 / 2.59 against 0.20 / 0.25 / 0.63 / 0.95 / 1.82;
-    Qwen3-MoE's up (768 x 1024) at 8 / 128 / 256 / 512 rows 0.035 / 0.107 / 0.182 / 0.368 against
-    0.064 / 0.144 / 0.206 / 0.353, its down (1024 x 384) 0.020 / 0.061 / 0.108 / 0.199 against
-    0.049 / 0.082 / 0.106 / 0.163. So the tiles to 192 rows, about even at 256, slower from 512
-    (x packed for a call outgrows the L2)."""
+    False under a fake or tracing mode, not kept). On the Xeon with AMX, bf16, two threads, eight
+    weights of each shape in turn (as a layer's experts come), ms per product, small_matmul on the
+    tiles / the fastest of torch's forms (plain x @ W_e.T, swapped (W_e @ x.T).T, or the
+    matrix-vector product), at 1 / 8 / 32 / 128 / 256 / 512 rows: Mixtral's up (7168 x 1024) 0.431
+    / 0.355 / 0.482 / 0.931 / 1.694 / 3.351 against 0.441 / 0.500 / 0.702 / 1.451 / 2.027 / 3.388;
+    its down (1024 x 3584) 0.155 / 0.145 / 0.157 / 0.379 / 0.730 / 1.547 against 0.203 / 0.206 /
+    0.226 / 0.591 / 0.843 / 1.652; Qwen3-MoE's up (768 x 1024) 0.039 / 0.035 / 0.038 / 0.099 /
+    0.170 / 0.343 against 0.060 / 0.063 / 0.076 / 0.134 / 0.181 / 0.303, its down (1024 x 384)
+    0.022 / 0.020 / 0.025 / 0.055 / 0.095 / 0.183 against 0.039 / 0.044 / 0.048 / 0.072 / 0.100 /
+    0.152. So the tiles to 192 rows (_TILE_ROWS); from 256 rows the gain is small or a loss."""
     global _small_tiles
     if _small_tiles is None:
         if torch._C._len_torch_dispatch_stack():
