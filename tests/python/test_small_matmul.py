@@ -467,6 +467,7 @@ def test_experts_loop_with_tiles_multiplies_wide_down_rows_by_block(sa, monkeypa
     assert moe._small_rows(inter, w_out) == 576  # two passes over a weight of at most 16 MiB
     monkeypatch.setattr(moe, "_TILE_REREAD_BYTES", 0)  # one pass
     assert moe._small_rows(hidden, w_in) == 1000 and moe._small_rows(inter, w_out) == 288
+    assert moe._small_rows(moe._TILE_MAX_COLS, w_out) == 32 and moe._small_rows(moe._TILE_MAX_COLS + 1, w_out) == 0
     monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1 << 30)  # one gate group
     monkeypatch.setattr(moe, "_TEAMS", False)
     rows = [300, 2, 5]

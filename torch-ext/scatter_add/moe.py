@@ -111,6 +111,8 @@ _small_kernel = None  # whether small_matmul runs on this CPU: probed on first u
 # _tiles_here).
 _TILE_ROWS = 192
 _TILE_REREAD_BYTES = 16 << 20  # see _small_rows
+# small_matmul multiplies rows of more columns by the level's vector kernel, not the tiles
+_TILE_MAX_COLS = 1 << 16
 _small_tiles = None  # whether small_matmul runs on AMX tiles here: probed on first use
 
 
@@ -145,8 +147,10 @@ def _small_rows(cols: int, weight) -> int:
     before the limit. Without AMX _SMALL_ROWS where torch multiplies bf16 by oneDNN, every block
     elsewhere."""
     if _AMX:
+        if cols > _TILE_MAX_COLS:
+            return 0  # the kernel's vector kernel multiplies such rows (see _TILE_MAX_COLS)
         one_pass = max(32, (3 << 13) // max(1, -(-cols // 32)) // 32 * 32)
-        passes = 2 if weight[0].numel() * weight.element_size() <= _TILE_REREAD_BYTES else 1
+        passes = 2 if weight.shape[-2] * weight.shape[-1] * weight.element_size() <= _TILE_REREAD_BYTES else 1
         return min(_TILE_ROWS, passes * one_pass)
     return _SMALL_ROWS if _ONEDNN_BF16 else 1 << 62
 
