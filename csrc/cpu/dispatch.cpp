@@ -123,9 +123,9 @@ Isa set_isa(Isa isa) {
   return got;
 }
 
-bool amx_tiles() {
-  return active_isa() == Isa::avx512_bf16 && amx_supported() && amx_wanted().load(std::memory_order_relaxed);
-}
+bool amx_on() { return amx_supported() && amx_wanted().load(std::memory_order_relaxed); }
+
+bool amx_tiles() { return active_isa() == Isa::avx512_bf16 && amx_on(); }
 
 bool set_amx_tiles(bool on) {
   amx_wanted().store(on, std::memory_order_relaxed);
@@ -137,8 +137,7 @@ const KernelTable& active_kernels() {
   const Isa isa = active_isa();  // never above SCATTER_ADD_MAX_ISA (supported_isa)
 #if SCATTER_ADD_MAX_ISA >= 3
 #if SCATTER_ADD_AMX
-  if (isa == Isa::avx512_bf16 && amx_supported() && amx_wanted().load(std::memory_order_relaxed))
-    return kernels_avx512_amx();
+  if (isa == Isa::avx512_bf16 && amx_on()) return kernels_avx512_amx();
 #endif
   if (isa == Isa::avx512_bf16) return kernels_avx512_bf16();
 #endif

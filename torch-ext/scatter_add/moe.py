@@ -139,13 +139,12 @@ def _small_rows(cols: int, weight) -> int:
     holds more (a row of x takes 64 bytes per 32 columns there, and the kernel packs at most 1.5
     MiB of rows, at least 32, per pass over the weight, which it reads again for each pass; a
     second pass over Mixtral-8x7B's 224 MiB up projection for 4 rows of 132 cost 20 ms). Measured
-    with passes of at most 1 MiB:
-    Mixtral's down projection (3584 columns, 128 rows a pass, 7 MiB) on the tiles at 256 rows,
-    0.730 ms against torch's 0.843, and its block at 512 tokens 1.12x -> 1.23x and 1.25x of the
-    best built-in with two passes allowed (two runs); Mixtral-8x7B's (14336 columns, 32 rows a
-    pass, 112 MiB) at 64 rows 7.9 ms against 7.3, and that block at 512 tokens 0.85x of eager
-    before the limit. Without AMX _SMALL_ROWS where torch multiplies bf16 by oneDNN, every block
-    elsewhere."""
+    with passes of at most 1 MiB: Mixtral's down projection (3584 columns, 128 rows a pass, 7 MiB)
+    on the tiles at 256 rows, 0.730 ms against torch's 0.843, and its block at 512 tokens 1.12x
+    -> 1.23x and 1.25x of the best built-in with two passes allowed (two runs); Mixtral-8x7B's
+    (14336 columns, 32 rows a pass, 112 MiB) at 64 rows 7.9 ms against 7.3, and that block at 512
+    tokens 0.85x of eager before the limit. Without AMX _SMALL_ROWS where torch multiplies bf16
+    by oneDNN, every block elsewhere."""
     if _AMX:
         if cols > _TILE_MAX_COLS:
             return 0  # the kernel's vector kernel multiplies such rows (see _TILE_MAX_COLS)
