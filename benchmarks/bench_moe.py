@@ -315,6 +315,7 @@ class MoEBench:
         row["speedup"] = row["impls"][best]["ms"] / row["impls"]["ours"]["ms"]
         row["speedup_vs"] = {i: row["impls"][i]["ms"] / row["impls"]["ours"]["ms"] for i in impls if i != "ours"}
         row["split_ms"] = self._split(block, cfg, x2d, backward)
+        row["products_ms"] = row["split_ms"].pop("products")
         set_impl(cfg, "eager", self.name)
         return row
 
@@ -362,11 +363,42 @@ class MoEBench:
 
             def combine():
                 return sa.index_add(h.new_zeros(h.shape), token, ys, weight=pw, ignore_index=-1)
+        products = self._products(ex, xs, offsets, backward, probe_ys if backward else None)
         with torch.set_grad_enabled(backward):
-            ts = self.split_timer({"dispatch": dispatch, "experts": experts, "combine": combine})
+            ts = self.split_timer({"dispatch": dispatch, "experts": experts, "combine": combine, "products": products})
         for p in block.parameters():
             p.grad = None
         return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+
+    def _products(self, ex, xs, offsets, backward, probe_ys=None):
+        """The matrix products inside ours' experts part, alone (a part of it, not a fourth part):
+        ours' expert loop (forward), or its forward and backward, with a gate that computes nothing
+        (its output and its gradient of the pre-activations are new tensors of zeros laid out as
+        the real gate's: uninitialised memory read as bf16 held subnormals, which slowed torch's
+        small products 1.6x), so that every product runs as in the layer (the same calls, groups
+        and layouts, the weight gradients in new memory) and the gate's passes do not."""
+        moe = self.sa.moe
+        w_in, w_out = ex.gate_up_proj, ex.down_proj
+        inter = w_out.shape[2]
+
+        class NoGate(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, h):
+                ctx.h = h
+                return torch.zeros_like(h[..., :inter])
+
+            @staticmethod
+            def backward(ctx, grad):
+                return torch.zeros_like(ctx.h)
+        if not backward:
+            return lambda: moe._experts_loop(xs, offsets, w_in, None, w_out, None, False, NoGate.apply)
+
+        def run():
+            for p in (w_in, w_out):
+                p.grad = None
+            xg = xs.detach().requires_grad_(True)
+            moe._Experts.apply(xg, offsets, w_in, None, w_out, None, False, NoGate.apply, False).backward(probe_ys)
+        return run
 
     def print_table(self, rows):
         print(f"\nMoE layer: transformers' sparse MoE blocks, bf16, {rows[0]['threads']} threads, {self.clock_name}; ms per call "
@@ -377,7 +409,7 @@ class MoEBench:
             print(f"\n{sel[0]['label']}")
             print(f"{'mode':>7} {'tokens':>6} | {'eager':>9}  {'grouped':>9}  {'batched':>9}  {'ours':>9}  | {'x best':>7} "
                   f"{'best':>10} | {'ours round':>13} | {'err eager':>9} {'err grp':>8} {'err ours':>8} | {'det':>5} | "
-                  f"{'dispatch':>8} {'experts':>8} {'combine':>8}")
+                  f"{'dispatch':>8} {'experts':>8} {'combine':>8} {'products':>8}")
             for r in sel:
                 im = r["impls"]
 
@@ -390,7 +422,8 @@ class MoEBench:
                 split = ""
                 if "split_ms" in r:
                     s = r["split_ms"]
-                    split = f"{s['dispatch']:8.2f} {s['experts']:8.2f} {s['combine']:8.2f}"
+                    split = f"{s['dispatch']:8.2f} {s['experts']:8.2f} {s['combine']:8.2f} " + (
+                        f"{r['products_ms']:8.2f}" if "products_ms" in r else f"{'-':>8}")
                 det = "".join(("y" if im[i]["same_at_1_thread"] else "n") if i in im else "-"
                               for i in ("eager", "grouped_mm", "ours"))
 
@@ -405,7 +438,9 @@ class MoEBench:
               "ours round = fastest/slowest round of ours against its median. det = the experts' output on the error "
               "tokens (the router's output held) bitwise the same at 1 and 2 threads (eager, grouped_mm, ours: y/n; where "
               "n, torch's expert products differ). dispatch/experts/combine = ours' time in three parts, each timed alone (ms; "
-              "forward+backward rows: each part's forward and backward).")
+              "forward+backward rows: each part's forward and backward). products = the matrix products within experts, "
+              "timed alone (forward: ours' expert loop with a gate that only allocates its output; forward+backward: each "
+              "block's two products and four gradient products, the weight gradients in new memory as in the layer).")
         self.print_goals(rows)
 
     @staticmethod
@@ -421,6 +456,10 @@ class MoEBench:
                 lowb = min(big, key=lambda r: r["speedup"])
                 line += f"; >= {high}x from {from_tokens} tokens: min {lowb['speedup']:.2f}x ({lowb['block']}, {lowb['tokens']} tokens)"
             print(line)
+            short = [r for r in sel if "products_ms" in r and r["speedup"] < (high if r["tokens"] >= from_tokens else everywhere)]
+            if short:
+                print(f"  rows below it, the matrix products' share of ours' split: " + ", ".join(
+                    f"{r['block']} {r['tokens']} {r['products_ms'] / sum(r['split_ms'].values()):.0%}" for r in short))
 
 
 # transformers' experts implementations take their colours from plotting.METHOD_STYLE
