@@ -211,7 +211,7 @@ class MoEBench:
         clock = time.thread_time if cpu_time else time.perf_counter
         self.timer = (Timer(budget=0.5, min_rounds=2, max_rounds=3, clock=clock) if quick else
                       Timer(budget=0.3, min_rounds=3, clock=clock) if sizes else Timer(clock=clock))
-        self.split_timer = (Timer(budget=0.3, min_rounds=2, max_rounds=10, clock=clock) if sizes else
+        self.split_timer = (Timer(budget=0.3, min_rounds=3, max_rounds=10, clock=clock) if sizes else
                             Timer(budget=0.5, min_rounds=3, max_rounds=10, clock=clock))
         self.refs = {}
 
@@ -439,8 +439,8 @@ class MoEBench:
               "tokens (the router's output held) bitwise the same at 1 and 2 threads (eager, grouped_mm, ours: y/n; where "
               "n, torch's expert products differ). dispatch/experts/combine = ours' time in three parts, each timed alone (ms; "
               "forward+backward rows: each part's forward and backward). products = the matrix products within experts, "
-              "timed alone (forward: ours' expert loop with a gate that only allocates its output; forward+backward: each "
-              "block's two products and four gradient products, the weight gradients in new memory as in the layer).")
+              "timed alone: the same experts part with a gate that computes nothing (its output, and its gradient, zeros "
+              "laid out as the gate's), every product as in the layer.")
         self.print_goals(rows)
 
     @staticmethod

@@ -1340,3 +1340,102 @@ def test_inference_products_take_every_layout(sa, monkeypatch, layout):
         ref = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
     torch.testing.assert_close(ys, ref, rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("split", ["one_thread", "teams"])
+def test_default_gate_in_kept_buffers_has_the_bits_of_the_gate(sa, monkeypatch, forms, dtype, split):
+    """With transformers' default gate (silu=True), the expert loop runs silu and the product
+    itself into buffers carved from this thread's kept scratch block: its output, and the
+    training forward's pre-activations, are bitwise those of the gate called as it is, with or
+    without teams, block by block or grouped, for several calls in a row; the kept block is never
+    the memory of the output."""
+    moe = sa.moe
+    if split == "teams":
+        monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1)
+        monkeypatch.setattr(moe, "_TEAM_MIN_ROWS", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if split == "teams" else 1)
+    try:
+        g = torch.Generator().manual_seed(7)
+        experts, hidden, inter = 6, 64, 40
+        w_in = (torch.randn(experts, 2 * inter, hidden, generator=g) / 8).to(dtype)
+        w_out = (torch.randn(experts, hidden, inter, generator=g) / 8).to(dtype)
+        rows = [3, 0, 40, 1, 250, 17]  # idle, one row, small and large blocks
+        ends = torch.tensor(rows).cumsum(0)
+        xs = torch.randn(int(ends[-1]) + 2, hidden, generator=g).to(dtype)
+        xs[int(ends[-1]):] = 0
+
+        def gate(h):  # transformers' default: act_fn(gate) * up
+            gate_, up = h.chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate_) * up
+        monkeypatch.setattr(moe, "_scratch", threading.local())
+        with torch.no_grad():
+            want = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate)
+            hs_want = xs.new_empty(xs.shape[0], 2 * inter)
+            want_t = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate, hs=hs_want)
+            assert getattr(moe._scratch, "block", None) is None  # other gates never take the scratch
+            for _ in range(3):
+                got = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate, silu=True)
+                block = moe._scratch.block
+                hs = xs.new_empty(xs.shape[0], 2 * inter)
+                got_t = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, gate, hs=hs, silu=True)
+                assert moe._scratch.block is block  # kept, and taken again
+                assert bitwise_equal([got, got_t, hs[:int(ends[-1])]], [want, want_t, hs_want[:int(ends[-1])]])
+                start, stop = block.data_ptr(), block.data_ptr() + block.numel()
+                assert all(not start <= t.data_ptr() < stop for t in (got, got_t, hs))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_scratch_is_taken_out_while_in_use_and_kept_up_to_its_limit(sa, monkeypatch):
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_scratch", threading.local())
+    monkeypatch.setattr(moe, "_SCRATCH_KEEP_BYTES", 1000)
+    cpu = torch.device("cpu")
+    a = moe._scratch_take(100, cpu)
+    b = moe._scratch_take(100, cpu)  # a nested call: its own block
+    assert a.data_ptr() != b.data_ptr() and a.numel() >= 100
+    moe._scratch_give(a)
+    moe._scratch_give(b)  # not larger than the one kept
+    assert moe._scratch.block is a
+    assert moe._scratch_take(60, cpu) is a and getattr(moe._scratch, "block", None) is None
+    c = moe._scratch_take(600, cpu)
+    moe._scratch_give(a)
+    moe._scratch_give(c)  # larger: kept instead
+    assert moe._scratch.block is c
+    big = moe._scratch_take(1001, cpu)
+    assert big is not c
+    moe._scratch_give(big)  # past the limit: not kept
+    assert moe._scratch.block is c
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(getattr(moe._scratch, "block", None)))
+    t.start()
+    t.join()
+    assert seen == [None]  # each thread keeps its own
+
+
+def test_default_gate_models_keep_their_bits_through_the_kept_buffers(sa, name, monkeypatch):
+    """Mixtral's experts (the default gate) without grad and in training: the same bits whether the
+    loop runs the gate itself or calls it."""
+    m = build("mixtral", torch.bfloat16, wide=True)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=64, batch=3))
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+
+    def run():
+        ex.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            infer = ex(h, idx, w)
+        x = h.clone().requires_grad_(True)
+        y = ex(x, idx, w)
+        (y.float() * probe).sum().backward()
+        return [infer, y.detach(), x.grad] + [p.grad for p in ex.parameters()]
+    assert sa.moe._silu_gate(ex)
+    taken = []
+    real = sa.moe._scratch_take
+    monkeypatch.setattr(sa.moe, "_scratch_take", lambda n, d: taken.append(n) or real(n, d))
+    got = run()
+    assert taken  # the loop ran the gate itself
+    monkeypatch.setattr(sa.moe, "_silu_gate", lambda self: False)
+    assert bitwise_equal(got, run())
