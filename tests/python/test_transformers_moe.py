@@ -1439,3 +1439,42 @@ def test_default_gate_models_keep_their_bits_through_the_kept_buffers(sa, name, 
     assert taken  # the loop ran the gate itself
     monkeypatch.setattr(sa.moe, "_silu_gate", lambda self: False)
     assert bitwise_equal(got, run())
+
+
+def test_a_loop_inside_a_teams_part_runs_there(sa, monkeypatch):
+    """A gate that itself runs an expert loop (a hooked activation running another layer): the
+    inner loop, on a team thread whose intra-op threads could split it again, runs there, in
+    that part, with buffers of its own."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_GATE_GROUP_ELEMS", 1)
+    monkeypatch.setattr(moe, "_TEAM_MIN_ROWS", 1)
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter = 4, 32, 16
+    w_in, w_out = torch.randn(experts, 2 * inter, hidden, generator=g) / 4, torch.randn(experts, hidden, inter,
+                                                                                         generator=g) / 4
+    w_in2, w_out2 = torch.randn(experts, 2 * inter, inter, generator=g) / 4, torch.randn(experts, inter, inter,
+                                                                                          generator=g) / 4
+    ends = torch.tensor([40, 80, 80, 80])
+    xs = torch.randn(80, hidden, generator=g)
+    on_team = []
+
+    def plain(h):
+        a, b = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(a) * b
+
+    def nesting(h):
+        on_team.append(getattr(moe._team_thread, "on", False))
+        a = plain(h)
+        inner = torch.tensor([a.shape[0] * (i + 1) // experts for i in range(experts)])
+        return a + moe._experts_loop(a.contiguous(), inner, w_in2, None, w_out2, None, False, plain, silu=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # teams of two intra-op threads each
+    try:
+        with torch.no_grad():
+            got = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, nesting)
+            assert any(on_team)
+            monkeypatch.setattr(moe, "_TEAMS", False)
+            want = moe._experts_loop(xs, ends, w_in, None, w_out, None, False, nesting)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -613,8 +613,8 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     the loop then runs its two ops itself (_gate_into) into a buffer of each part, where the
     gate's own ops took two new tensors per group (the same ops, so the same bits), and the
     parts' buffers come from the calling thread's kept scratch (_scratch_take), where they were
-    new memory, faulted in on every call. Mixtral block (blocks of 2048 rows at 8192 tokens: 88
-    MiB of buffers on two threads), bf16, two threads, medians of alternated rounds, ms, before
+    new memory, faulted in on every call. Mixtral block (blocks of 2048 rows at 8192 tokens: 44
+    MiB of buffers, one part), bf16, two threads, medians of alternated rounds, ms, before
     -> after: forward at 8192 tokens 243.4 -> 223.2 (9 rounds), forward+backward at 2048 tokens
     336.2 -> 302.2 (5 rounds); the other rows of bench_moe's blocks within 3% either way.
 
@@ -631,7 +631,8 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     weights = (w_in, b_in, w_out, b_out)
 
     silu = silu and not transposed and width % 2 == 0
-    parts = _team_parts(groups, xs.device, width * dtype.itemsize)
+    # a loop called from within a team's part (its gate running another layer) runs here (_teams)
+    parts = None if getattr(_team_thread, "on", False) else _team_parts(groups, xs.device, width * dtype.itemsize)
     # Each part's buffers are carved here from one block: a team thread's allocations come from
     # its own glibc arena, which mapped and faulted in such blocks anew on every call. With the
     # default gate the block is this thread's kept scratch (_scratch_take): neither buffer is seen
@@ -665,8 +666,8 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
 
 
 # The expert loop's buffers with the default gate (pre-activations and the gate's output) are
-# kept between calls by the thread that made them, up to this size: Mixtral's block at 8192
-# tokens needs 88 MiB of them on two threads, which new memory faulted in on every call.
+# kept between calls by the thread that made them (until it ends), up to this size: Mixtral's
+# block at 8192 tokens needs 44 MiB of them, which new memory faulted in on every call.
 _SCRATCH_KEEP_BYTES = 128 << 20
 _scratch = threading.local()
 
