@@ -952,9 +952,9 @@ def test_gradients_by_either_gate_derivative(sa, name, monkeypatch, forms):
     ran = {"n": 0}
     real = sa.moe._silu_gate_backward
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         ran["n"] += 1
-        return real(*args)
+        return real(*args, **kwargs)
     monkeypatch.setattr(sa.moe, "_silu_gate_backward", counted)
     results = {}
     for which in (True, False):
@@ -1435,8 +1435,13 @@ def test_default_gate_models_keep_their_bits_through_the_kept_buffers(sa, name, 
     taken = []
     real = sa.moe._scratch_take
     monkeypatch.setattr(sa.moe, "_scratch_take", lambda n, d: taken.append(n) or real(n, d))
+    monkeypatch.setattr(sa.moe, "_scratch", threading.local())
     got = run()
-    assert taken  # the loop ran the gate itself
+    # the loop ran the gate itself, without grad and in training, and the backward took its own
+    assert len(taken) == 3 and taken[2] > max(taken[:2])
+    block = sa.moe._scratch.block
+    start, stop = block.data_ptr(), block.data_ptr() + block.numel()
+    assert all(not start <= t.data_ptr() < stop for t in got)
     monkeypatch.setattr(sa.moe, "_silu_gate", lambda self: False)
     assert bitwise_equal(got, run())
 

@@ -616,7 +616,10 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     new memory, faulted in on every call. Mixtral block (blocks of 2048 rows at 8192 tokens: 44
     MiB of buffers, one part), bf16, two threads, medians of alternated rounds, ms, before
     -> after: forward at 8192 tokens 243.4 -> 223.2 (9 rounds), forward+backward at 2048 tokens
-    336.2 -> 302.2 (5 rounds); the other rows of bench_moe's blocks within 3% either way.
+    336.2 -> 302.2 (5 rounds); the other rows of bench_moe's blocks within 3% either way. The
+    training backward keeps its own buffers of the default gate in the same block (_Experts):
+    Mixtral forward+backward at 2048 tokens (112 MiB of them), 11 rounds, nothing kept / the
+    forward's buffers kept / the backward's too: 350.8 / 345.6 / 315.2 ms.
 
     With two threads or more the groups are split over teams of threads (_team_parts): the
     groups and each group's products are the same whatever the split."""
@@ -637,19 +640,13 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     # its own glibc arena, which mapped and faulted in such blocks anew on every call. With the
     # default gate the block is this thread's kept scratch (_scratch_take): neither buffer is seen
     # by anything but the loop's own ops then.
-    sizes = []
+    shapes = []
     for part in parts or [groups]:
         rows_p = max((g[-1][2] - g[0][1] for g in part), default=0)
-        sizes.append((rows_p * width if hs is None else 0, rows_p * (width // 2) if silu else 0, rows_p))
-    lines = [-(-n * dtype.itemsize // 64) * 64 for pre, a, _ in sizes for n in (pre, a)]
-    block = (_scratch_take if silu else _scratch_new)(sum(lines), xs.device)
-    bufs, at = {}, 0
-    for part, (pre, a, rows_p) in zip(parts or [groups], sizes):
-        views = []
-        for n, cols in ((pre, width), (a, width // 2)):
-            views.append(block[at:at + n * dtype.itemsize].view(dtype).view(rows_p, cols) if n else None)
-            at += -(-n * dtype.itemsize // 64) * 64
-        bufs[id(part)] = views
+        shapes += [(rows_p, width) if hs is None else None, (rows_p, width // 2) if silu else None]
+    block = (_scratch_take if silu else _scratch_new)(_carved_bytes(shapes, dtype), xs.device)
+    views = _carve(block, shapes, dtype)
+    bufs = {id(part): views[2 * i:2 * i + 2] for i, part in enumerate(parts or [groups])}
 
     def run(part):
         buf, a_buf = bufs[id(part)]
@@ -667,13 +664,33 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
 
 # The expert loop's buffers with the default gate (pre-activations and the gate's output) are
 # kept between calls by the thread that made them (until it ends), up to this size: Mixtral's
-# block at 8192 tokens needs 44 MiB of them, which new memory faulted in on every call.
+# block at 8192 tokens needs 44 MiB of them, and the backward at 2048 tokens 112 MiB (the gate's
+# output, its gradient and the pre-activations' gradient), which new memory faulted in on every
+# call.
 _SCRATCH_KEEP_BYTES = 128 << 20
 _scratch = threading.local()
 
 
 def _scratch_new(nbytes, device):
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _carved_bytes(shapes, dtype) -> int:
+    """The bytes _carve needs for tensors of these shapes (None: no tensor), each on 64-byte lines."""
+    return sum(-(-s[0] * s[1] * dtype.itemsize // 64) * 64 for s in shapes if s is not None)
+
+
+def _carve(block, shapes, dtype):
+    """Contiguous tensors of the shapes (None for a None), one after the other in block."""
+    views, at = [], 0
+    for s in shapes:
+        if s is None:
+            views.append(None)
+            continue
+        n = s[0] * s[1] * dtype.itemsize
+        views.append(block[at:at + n].view(dtype).view(s))
+        at += -(-n // 64) * 64
+    return views
 
 
 def _scratch_take(nbytes, device):
@@ -874,16 +891,17 @@ def _defined_in(fn, qualname: str, path: str) -> bool:
             and code.co_filename.replace(os.sep, "/").endswith(path))
 
 
-def _silu_gate_backward(h, grad_a):
+def _silu_gate_backward(h, grad_a, out=None):
     """dL/dh for a = silu(gate) * up, h = [gate | up], given dL/da: the bits of autograd's (its mul
     backward's two products, silu_backward, then the halves joined; a NaN may come out with
     another payload), in four passes written into one new tensor, where autograd over the gate
     (recomputed, with its graph) took seven and six new ones. Mixtral block, 2048 tokens, bf16,
     two threads: those passes took 60 ms of a 300 ms forward+backward (profiler), much of it first
     touches of fresh [4096, 3584] and [4096, 7168] tensors; timed alone, with the gate
-    recomputed, 42.5 ms that way and 31.9 ms this way."""
+    recomputed, 42.5 ms that way and 31.9 ms this way. Written into `out` where given (contiguous,
+    h's shape)."""
     gate, up = h.chunk(2, dim=-1)
-    grad_h = torch.empty_like(h)
+    grad_h = torch.empty_like(h) if out is None else out
     d_gate, d_up = grad_h.chunk(2, dim=-1)
     torch.mul(grad_a, up, out=d_gate)
     torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
@@ -944,48 +962,67 @@ class _Experts(torch.autograd.Function):
         # teams: every block its own part of the split (the products are those without teams)
         every = [[b] for b in blocks]
         parts = _team_parts(every, xs.device, hs.shape[1] * hs.element_size()) if rows else None
-        if ctx.silu_gate:
-            h = hs[:rows]
-            a = ctx.gate(h)  # no graph: backward runs without grad
+        block = grad_a_buf = None
+        try:
+            if ctx.silu_gate:
+                h = hs[:rows]
+                inter = h.shape[1] // 2
+                # the gate's output (recomputed), its gradient and the pre-activations' gradient
+                # never leave the backward: they lie in this thread's kept scratch (_experts_loop)
+                shapes = [(rows, inter), (rows, inter), (rows, 2 * inter)]
+                block = _scratch_take(_carved_bytes(shapes, h.dtype), xs.device)
+                a_buf, grad_a_buf, grad_h_buf = _carve(block, shapes, h.dtype)
+                a = _gate_into(None, h, a_buf)  # no graph: backward runs without grad
 
-            def gate_backward(grad_a):
-                return _silu_gate_backward(h, grad_a)
-        else:
-            with torch.enable_grad():
-                h = hs[:rows].detach().requires_grad_(True)
-                a_graph = ctx.gate(h)
-            a = a_graph.detach()
+                def gate_backward(grad_a):
+                    return _silu_gate_backward(h, grad_a, out=grad_h_buf)
+            else:
+                with torch.enable_grad():
+                    h = hs[:rows].detach().requires_grad_(True)
+                    a_graph = ctx.gate(h)
+                a = a_graph.detach()
 
-            def gate_backward(grad_a):
-                return torch.autograd.grad(a_graph, h, grad_a)[0]
-        if ctx.grouped and rows:
-            if parts is None:
-                return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
-                                         need_x, need_w_in, need_w_out)
-            return _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gate_backward,
-                                           need_x, need_w_in, need_w_out)
-        grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
-        grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
-        grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
-        grad_b_in = w_in.new_zeros(w_in.shape[0], _out_features(w_in, tr)) if need_b_in else None
-        grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
-        # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
-        grad_a = a.new_empty(a.shape)
+                def gate_backward(grad_a):
+                    return torch.autograd.grad(a_graph, h, grad_a)[0]
+            if ctx.grouped and rows:
+                if parts is None:
+                    return _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
+                                             need_x, need_w_in, need_w_out)
+                return _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gate_backward,
+                                               need_x, need_w_in, need_w_out, grad_a_buf)
+            return _loop_backward(ctx, grad_ys, xs, w_in, w_out, a, h, gate_backward, every, parts, blocks, rows,
+                                  grad_a_buf)
+        finally:
+            if block is not None:
+                _scratch_give(block)
 
-        def input_grads(part):
-            for [(e, start, end)] in part:
-                _grad_input(grad_ys[start:end], w_out, e, tr, out=grad_a[start:end])
 
-        def weight_grads(part):
-            for [(e, start, end)] in part:
-                g = grad_ys[start:end]
-                _linear_backward(g, a[start:end], w_out, e, tr, None, grad_w_out, grad_b_out)
-                _linear_backward(grad_h[start:end], xs[start:end], w_in, e, tr,
-                                 grad_x[start:end] if need_x else None, grad_w_in, grad_b_in)
-        _teams(every, input_grads, parts)
-        grad_h = gate_backward(grad_a) if rows else h
-        _teams(every, weight_grads, parts)
-        return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None, None
+def _loop_backward(ctx, grad_ys, xs, w_in, w_out, a, h, gate_backward, every, parts, blocks, rows, grad_a=None):
+    """_Experts' gradients block by block (where _grouped_backward does not apply)."""
+    need_x, _, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad[:6]
+    tr = ctx.transposed
+    grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
+    grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
+    grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
+    grad_b_in = w_in.new_zeros(w_in.shape[0], _out_features(w_in, tr)) if need_b_in else None
+    grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
+    # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
+    grad_a = a.new_empty(a.shape) if grad_a is None else grad_a
+
+    def input_grads(part):
+        for [(e, start, end)] in part:
+            _grad_input(grad_ys[start:end], w_out, e, tr, out=grad_a[start:end])
+
+    def weight_grads(part):
+        for [(e, start, end)] in part:
+            g = grad_ys[start:end]
+            _linear_backward(g, a[start:end], w_out, e, tr, None, grad_w_out, grad_b_out)
+            _linear_backward(grad_h[start:end], xs[start:end], w_in, e, tr,
+                             grad_x[start:end] if need_x else None, grad_w_in, grad_b_in)
+    _teams(every, input_grads, parts)
+    grad_h = gate_backward(grad_a) if rows else h
+    _teams(every, weight_grads, parts)
+    return grad_x, None, grad_w_in, grad_b_in, grad_w_out, grad_b_out, None, None, None
 
 
 # With AMX too, from as many (token, expert) pairs as experts: Mixtral's and Qwen3-MoE's blocks
@@ -1023,12 +1060,12 @@ def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
 
 
 def _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gate_backward, need_x, need_w_in,
-                            need_w_out):
+                            need_w_out, grad_a=None):
     """_grouped_backward split over teams: each expert's products as torch's grouped product
     makes them (a matrix product of the same slices of the same operands into a contiguous
     result, so the same bits), written into gradients allocated whole."""
     g = _operand(grad_ys[:rows])
-    grad_a = g.new_empty(rows, w_out.shape[2])
+    grad_a = g.new_empty(rows, w_out.shape[2]) if grad_a is None else grad_a
 
     def input_grads(part):
         for [(e, start, end)] in part:
