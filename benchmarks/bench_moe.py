@@ -458,7 +458,7 @@ class MoEBench:
             print(line)
             short = [r for r in sel if "products_ms" in r and r["speedup"] < (high if r["tokens"] >= from_tokens else everywhere)]
             if short:
-                print(f"  rows below it, the matrix products' share of ours' split: " + ", ".join(
+                print("  rows below it, the matrix products' share of ours' split: " + ", ".join(
                     f"{r['block']} {r['tokens']} {r['products_ms'] / sum(r['split_ms'].values()):.0%}" for r in short))
 
 

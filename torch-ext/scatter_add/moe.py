@@ -954,8 +954,7 @@ class _Experts(torch.autograd.Function):
     @_first_order  # no double backward: it raises, never half a graph
     def backward(ctx, grad_ys):
         xs, offsets, w_in, w_out, hs = ctx.saved_tensors
-        need_x, _, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad[:6]
-        tr = ctx.transposed
+        need_x, _, need_w_in, _, need_w_out = ctx.needs_input_grad[:5]
         grad_ys = grad_ys.to(xs.dtype)
         blocks = list(_blocks(offsets))
         rows = blocks[-1][2] if blocks else 0
