@@ -464,14 +464,24 @@ class MoEBench:
 
 # transformers' experts implementations take their colours from plotting.METHOD_STYLE
 MODE_STYLE = {"fwd": ("-", "o", "forward (no grad)"), "fwd_bwd": ("--", "s", "forward + backward")}
-SPLIT_COLORS = {"dispatch": "#56B4E9", "experts": "#BBBBBB", "combine": "#E69F00"}
+SPLIT_COLORS = {"dispatch": "#56B4E9", "products": "#999999", "gate": "#DDDDDD", "combine": "#E69F00"}
+SPLIT_LABELS = ["dispatch: routing sort + gather", "expert products (matmuls), timed alone",
+                "the rest of the experts part (gate)", "combine: weighted index_add"]
+
+
+def split_part(r, part):
+    """ms of a bar's part: the experts part as its products (timed alone, at most the part) and the
+    rest; a row without the products' time shows the whole part as products."""
+    s = r["split_ms"]
+    products = min(r.get("products_ms", s["experts"]), s["experts"])
+    return {"products": products, "gate": s["experts"] - products}.get(part, s.get(part))
 
 
 def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
     """Top row: ours' speedup over each built-in experts implementation against tokens, one panel
     per block (colour = implementation, line style = forward or forward+backward; dotted: the 1.3x
-    goal). Bottom row: where ours' forward time goes (dispatch, expert products, combine), as
-    shares of their sum. info: plotting.run_info()'s facts of the run. Rows of another format
+    goal). Lower rows: where ours' time goes, forward and forward+backward (dispatch, the expert
+    products timed alone, the rest of the experts part, combine), as shares of the three parts' sum. info: plotting.run_info()'s facts of the run. Rows of another format
     (a saved bench.json from before) are left out."""
     rows = [r for r in rows if "speedup_vs" in r]
     if not rows:
@@ -522,7 +532,7 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
                 continue
             bottom = [0.0] * len(fw)
             for part, c in SPLIT_COLORS.items():
-                share = [r["split_ms"][part] / sum(r["split_ms"].values()) * 100 for r in fw]
+                share = [split_part(r, part) / sum(r["split_ms"].values()) * 100 for r in fw]
                 bx.bar(range(len(fw)), share, bottom=bottom, color=c, width=0.7, edgecolor="white", lw=0.5)
                 bottom = [b + v for b, v in zip(bottom, share)]
             bx.set_xticks(range(len(fw)), [str(r["tokens"]) for r in fw])
@@ -544,9 +554,8 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
                                   loc="upper left")
     if has_split:
         fig.add_artist(leg)
-        plotting.legend_outside(fig, [Patch(color=c) for c in SPLIT_COLORS.values()],
-                                ["dispatch: routing sort + gather", "expert products (matmuls)",
-                                 "combine: weighted index_add"], title="ours' time (bars)", y=0.35, loc="upper left")
+        plotting.legend_outside(fig, [Patch(color=c) for c in SPLIT_COLORS.values()], SPLIT_LABELS,
+                                title="ours' time (bars)", y=0.35, loc="upper left")
     clock = f", timed by {info['clock']}" if info.get("clock") else ""
     fig.suptitle(plotting.run_title("transformers' MoE blocks, bfloat16: scatter_add.moe against each built-in "
                                     f"experts implementation{clock}", info), y=1.02)
