@@ -614,12 +614,11 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
     gate's own ops took two new tensors per group (the same ops, so the same bits), and the
     parts' buffers come from the calling thread's kept scratch (_scratch_take), where they were
     new memory, faulted in on every call. Mixtral block (blocks of 2048 rows at 8192 tokens: 44
-    MiB of buffers, one part), bf16, two threads, medians of alternated rounds, ms, before
-    -> after: forward at 8192 tokens 243.4 -> 223.2 (9 rounds), forward+backward at 2048 tokens
-    336.2 -> 302.2 (5 rounds); the other rows of bench_moe's blocks within 3% either way. The
-    training backward keeps its own buffers of the default gate in the same block (_Experts):
-    Mixtral forward+backward at 2048 tokens (112 MiB of them), 11 rounds, nothing kept / the
-    forward's buffers kept / the backward's too: 350.8 / 345.6 / 315.2 ms.
+    MiB of buffers, one part), bf16, two threads, medians of alternated rounds, ms: forward at
+    8192 tokens 243.4 -> 223.2 (9 rounds); the other forward rows of bench_moe's blocks within 3%
+    either way. The training backward keeps its own buffers of the default gate in the same
+    block (_Experts): Mixtral forward+backward at 2048 tokens (112 MiB of them), 11 rounds,
+    nothing kept / the forward's buffers kept / the backward's too: 350.8 / 345.6 / 315.2 ms.
 
     With two threads or more the groups are split over teams of threads (_team_parts): the
     groups and each group's products are the same whatever the split."""
