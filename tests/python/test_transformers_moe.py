@@ -1483,3 +1483,25 @@ def test_a_loop_inside_a_teams_part_runs_there(sa, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("raw,limit", [("0", 0), ("1", 1 << 20), (" 3 ", 3 << 20), ("-1", None), ("1.5", None),
+                                       ("lots", None), ("", None)])
+def test_scratch_limit_from_the_environment(sa, monkeypatch, raw, limit):
+    """SCATTER_ADD_MOE_SCRATCH_MIB sets how much each thread keeps (0: nothing); a bad value raises
+    a ValueError naming the variable and the value, before the call writes anything."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_SCRATCH_KEEP_BYTES", None)
+    monkeypatch.setattr(moe, "_scratch", threading.local())
+    monkeypatch.setenv("SCATTER_ADD_MOE_SCRATCH_MIB", raw)
+    cpu = torch.device("cpu")
+    if limit is None:
+        with pytest.raises(ValueError, match=f"SCATTER_ADD_MOE_SCRATCH_MIB.*{raw!r}"):
+            moe._scratch_take(64, cpu)
+        return
+    block = moe._scratch_take(64, cpu)
+    moe._scratch_give(block)
+    assert (getattr(moe._scratch, "block", None) is block) == (limit >= 64)
+    big = moe._scratch_new(limit + 1, cpu)
+    moe._scratch_give(big)
+    assert getattr(moe._scratch, "block", None) is not big

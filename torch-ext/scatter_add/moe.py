@@ -665,9 +665,22 @@ def _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, token
 # kept between calls by the thread that made them (until it ends), up to this size: Mixtral's
 # block at 8192 tokens needs 44 MiB of them, and the backward at 2048 tokens 112 MiB (the gate's
 # output, its gradient and the pre-activations' gradient), which new memory faulted in on every
-# call.
-_SCRATCH_KEEP_BYTES = 128 << 20
+# call. SCATTER_ADD_MOE_SCRATCH_MIB sets it (read at the first call; 0 keeps nothing).
+_SCRATCH_KEEP_BYTES = None
+_SCRATCH_ENV = "SCATTER_ADD_MOE_SCRATCH_MIB"
 _scratch = threading.local()
+
+
+def _scratch_limit() -> int:
+    global _SCRATCH_KEEP_BYTES
+    if _SCRATCH_KEEP_BYTES is None:
+        raw = os.environ.get(_SCRATCH_ENV, "128")
+        mib = int(raw) if raw.strip().isdigit() else -1
+        if mib < 0:
+            raise ValueError(f"scatter_add.moe: {_SCRATCH_ENV} must be a whole number of MiB (0 keeps nothing), "
+                             f"got {raw!r}")
+        _SCRATCH_KEEP_BYTES = mib << 20
+    return _SCRATCH_KEEP_BYTES
 
 
 def _scratch_new(nbytes, device):
@@ -695,6 +708,7 @@ def _carve(block, shapes, dtype):
 def _scratch_take(nbytes, device):
     """At least nbytes: this thread's kept block where it is large enough (taken out while in use,
     so that a nested call never shares it), else a new one."""
+    _scratch_limit()  # a bad setting raises here, before the call writes anything
     kept = getattr(_scratch, "block", None)
     if device.type == "cpu" and kept is not None and kept.numel() >= nbytes:
         _scratch.block = None
@@ -704,9 +718,9 @@ def _scratch_take(nbytes, device):
 
 def _scratch_give(block):
     """Keeps block for this thread's next _scratch_take where it is on the CPU, at most
-    _SCRATCH_KEEP_BYTES and larger than the block kept."""
+    _scratch_limit() and larger than the block kept."""
     kept = getattr(_scratch, "block", None)
-    if block.device.type == "cpu" and block.numel() <= _SCRATCH_KEEP_BYTES and (
+    if block.device.type == "cpu" and block.numel() <= _scratch_limit() and (
             kept is None or kept.numel() < block.numel()):
         _scratch.block = block
 
