@@ -482,8 +482,9 @@ def plot_moe(rows, out_dir, info, path_name="moe_layer_transformers.png"):
     """Top row: ours' speedup over each built-in experts implementation against tokens, one panel
     per block (colour = implementation, line style = forward or forward+backward; dotted: the 1.3x
     goal). Lower rows: where ours' time goes, forward and forward+backward (dispatch, the expert
-    products timed alone, the rest of the experts part, combine), as shares of the three parts' sum. info: plotting.run_info()'s facts of the run. Rows of another format
-    (a saved bench.json from before) are left out."""
+    products timed alone, the rest of the experts part, combine), as shares of the three parts'
+    sum. info: plotting.run_info()'s facts of the run. Rows of another format (a saved bench.json
+    from before) are left out."""
     rows = [r for r in rows if "speedup_vs" in r]
     if not rows:
         return []

@@ -687,9 +687,13 @@ def _scratch_new(nbytes, device):
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _lines(nbytes) -> int:
+    return -(-nbytes // 64) * 64
+
+
 def _carved_bytes(shapes, dtype) -> int:
     """The bytes _carve needs for tensors of these shapes (None: no tensor), each on 64-byte lines."""
-    return sum(-(-s[0] * s[1] * dtype.itemsize // 64) * 64 for s in shapes if s is not None)
+    return sum(_lines(s[0] * s[1] * dtype.itemsize) for s in shapes if s is not None)
 
 
 def _carve(block, shapes, dtype):
@@ -701,7 +705,7 @@ def _carve(block, shapes, dtype):
             continue
         n = s[0] * s[1] * dtype.itemsize
         views.append(block[at:at + n].view(dtype).view(s))
-        at += -(-n // 64) * 64
+        at += _lines(n)
     return views
 
 
