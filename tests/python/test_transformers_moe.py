@@ -1505,3 +1505,113 @@ def test_scratch_limit_from_the_environment(sa, monkeypatch, raw, limit):
     big = moe._scratch_new(limit + 1, cpu)
     moe._scratch_give(big)
     assert getattr(moe._scratch, "block", None) is not big
+
+
+def experts_step(ex, h, idx, w, probe, scale=1.0, keep_grads=True):
+    """One backward of the experts module on (h * scale); returns each weight's .grad."""
+    x = (h * scale).requires_grad_(True)
+    (ex(x, idx, w).float() * probe).sum().backward()
+    return [p.grad for p in ex.parameters()]
+
+
+@pytest.mark.parametrize("model,threads,grouped,n", [("mixtral", 1, True, 64), ("mixtral", 2, True, 64),
+                                                     ("mixtral", 2, False, 64), ("qwen3_moe", 1, True, 64),
+                                                     ("gpt_oss", 1, True, 64), ("mixtral", 1, True, 2),
+                                                     ("qwen3_moe", 2, False, 2)])
+def test_kept_weight_gradients_have_the_bits_of_new_ones(sa, name, monkeypatch, model, threads, grouped, n):
+    """The expert weights' gradients written into kept buffers: bitwise those of new tensors (by
+    torch's grouped products, per expert on one or two threads, and block by block), for one
+    backward and for two accumulated into the .grad, with the buffers' old contents NaN (at two
+    tokens most experts get no rows: their slices too)."""
+    moe = sa.moe
+    m = build(model, torch.bfloat16, wide=True)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=n, batch=3 if n > 2 else 1))
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(moe, "_GROUPED_BACKWARD", grouped)
+    monkeypatch.setattr(moe, "_AMX", moe._AMX and n > 2)  # with AMX, fewer rows than experts go block by block
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = {}
+        for keep in (False, True, True):
+            monkeypatch.setattr(moe, "_KEEP_GRADS", keep)
+            ex.zero_grad(set_to_none=True)
+            for kept in (moe._grad_kept or {}).values():  # stale data: every element must be written
+                for buf, _ in kept:
+                    buf.fill_(float("nan"))
+            once = [g.clone() for g in experts_step(ex, h, idx, w, probe)]
+            twice = experts_step(ex, h, idx, w, probe, scale=0.5)  # added into the .grad
+            got.setdefault(keep, []).append(once + [g.clone() for g in twice])
+    finally:
+        torch.set_num_threads(before)
+    assert len(moe._grad_kept[ex.down_proj]) == 2  # the .grad and the second backward's gradient
+    assert bitwise_equal(got[False][0], got[True][0]) and bitwise_equal(got[True][0], got[True][1])
+
+
+def test_kept_weight_gradient_buffers_are_reused_only_when_free(sa, name, monkeypatch):
+    """A buffer kept for a weight's gradient is written again only when nothing else holds its
+    memory: a .grad set to None frees it, a gradient the caller keeps (a .grad or
+    torch.autograd.grad's result) never changes, gradient accumulation takes the second buffer,
+    past two a gradient is new memory, and the buffers go with their weight."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_KEEP_GRADS", True)
+    m = build("mixtral", torch.bfloat16, wide=True)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=64, batch=3))
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    weight = ex.gate_up_proj
+
+    def fresh(scale):  # the same backward's gradient with nothing kept
+        monkeypatch.setattr(moe, "_KEEP_GRADS", False)
+        ex.zero_grad(set_to_none=True)
+        g = experts_step(ex, h, idx, w, probe, scale)[0].clone()
+        ex.zero_grad(set_to_none=True)
+        monkeypatch.setattr(moe, "_KEEP_GRADS", True)
+        return g
+
+    want = {s: fresh(s) for s in (1.0, 0.5, 0.25, 2.0)}
+    first = experts_step(ex, h, idx, w, probe, 1.0)[0].data_ptr()
+    ex.zero_grad(set_to_none=True)
+    assert experts_step(ex, h, idx, w, probe, 0.5)[0].data_ptr() == first  # free again: reused
+    held = weight.grad  # the caller keeps this one
+    ex.zero_grad(set_to_none=True)
+    second = experts_step(ex, h, idx, w, probe, 0.25)[0]
+    assert second.data_ptr() != first and torch.equal(held, want[0.5]) and torch.equal(second, want[0.25])
+    # both buffers held (held, and the .grad that a second backward adds into): new memory
+    third = experts_step(ex, h, idx, w, probe, 2.0)[0]
+    assert third.data_ptr() == second.data_ptr() and torch.equal(held, want[0.5])
+    assert torch.equal(third, want[0.25] + want[2.0])
+    assert len(moe._grad_kept[weight]) == 2
+    # torch.autograd.grad: the caller holds every result
+    x = h.requires_grad_(False)
+    results = [torch.autograd.grad((ex(x * s, idx, w).float() * probe).sum(), weight)[0] for s in (1.0, 0.5, 0.25)]
+    assert all(torch.equal(r, want[s]) for r, s in zip(results, (1.0, 0.5, 0.25)))
+    assert held.data_ptr() == first and len({r.data_ptr() for r in results} | {first, second.data_ptr()}) == 5
+    # the buffers go with their weight
+    ref = weakref.ref(weight)
+    ex = m = weight = held = second = third = results = None
+    import gc
+    gc.collect()
+    assert ref() is None and len(moe._grad_kept) == 0
+
+
+@pytest.mark.parametrize("raw,keep", [("1", True), (" 0 ", False), ("yes", None), ("2", None), ("", None)])
+def test_keep_grads_from_the_environment(sa, name, monkeypatch, raw, keep):
+    """SCATTER_ADD_MOE_KEEP_GRADS=0 keeps no gradient buffer; a value other than 0 or 1 raises a
+    ValueError naming the variable and the value at the training forward, before anything runs."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_KEEP_GRADS", None)
+    monkeypatch.setenv("SCATTER_ADD_MOE_KEEP_GRADS", raw)
+    m = build("mixtral", torch.bfloat16)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    if keep is None:
+        with pytest.raises(ValueError, match=f"SCATTER_ADD_MOE_KEEP_GRADS.*{raw.strip()!r}"):
+            experts_step(ex, h, idx, w, probe)
+        assert all(p.grad is None for p in ex.parameters())
+        return
+    experts_step(ex, h, idx, w, probe)
+    assert all(p.grad is not None for p in ex.parameters())
+    assert (moe._grad_kept is not None and ex.gate_up_proj in moe._grad_kept) == keep

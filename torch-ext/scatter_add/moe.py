@@ -370,6 +370,78 @@ def _idle_zero(grad_w, blocks):
     return grad_w
 
 
+# --- the expert weights' gradients in kept memory -------------------------------------------------
+# A training step writes a full-size gradient of every expert weight, and new memory for it cost
+# more than the products that fill it: glibc maps a block of 32 MiB or more afresh for every call,
+# and the kernel faults in and zeroes each of its pages on the first write (Mixtral's block at one
+# token, bf16, two threads: a step took 53 ms, 20 ms with the gradients written into memory in
+# use). So each expert weight's gradient is written into a buffer kept for that weight
+# (_grad_like), and autograd gets a tensor on that buffer's memory (no view of it), which it takes
+# over as the weight's .grad or adds into the .grad there. The next backward writes into the
+# buffer again only where nothing else holds its memory any more (the .grad set to None, as
+# optimizer.zero_grad() does, or added into another .grad); where something does (a .grad kept,
+# a gradient the caller holds), it takes a second buffer kept for that weight (gradient
+# accumulation: the .grad holds one, each backward's gradient the other), and past those a new
+# tensor. The buffers live as long as their weight: at most twice its size, and no more than the
+# gradients the steps hold anyway. SCATTER_ADD_MOE_KEEP_GRADS=0 keeps none.
+_KEEP_GRADS = None  # read from _KEEP_GRADS_ENV by the first training forward
+_KEEP_GRADS_ENV = "SCATTER_ADD_MOE_KEEP_GRADS"
+_KEPT_PER_WEIGHT = 2
+_grad_lock = threading.Lock()
+_grad_kept = None  # weight -> [(buffer, its memory's use count where nothing else holds it)]
+
+
+def _keep_grads() -> bool:
+    global _KEEP_GRADS
+    if _KEEP_GRADS is None:
+        raw = os.environ.get(_KEEP_GRADS_ENV, "1").strip()
+        if raw not in ("0", "1"):
+            raise ValueError(f"scatter_add.moe: {_KEEP_GRADS_ENV} must be 1 (keep the expert weights' gradient "
+                             f"buffers) or 0, got {raw!r}")
+        _KEEP_GRADS = raw == "1"
+    return _KEEP_GRADS
+
+
+def _use_count(t) -> int:
+    """How many tensors and storages hold t's memory, counting the storage object this call makes."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _grad_like(weight):
+    """A contiguous tensor of weight's shape and dtype for its gradient, every element to be
+    written: on a buffer kept for weight where one is free (see above), else new."""
+    global _grad_kept
+    if weight.device.type != "cpu" or not _keep_grads():
+        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    with _grad_lock:
+        if _grad_kept is None:
+            from torch.utils.weak import WeakIdKeyDictionary
+            _grad_kept = WeakIdKeyDictionary()  # an entry goes with its weight
+        kept = _grad_kept.get(weight)
+        if kept is None or kept[0][0].shape != weight.shape or kept[0][0].dtype != weight.dtype:
+            kept = _grad_kept[weight] = []
+        for buf, free in kept:
+            if _use_count(buf) == free:
+                break
+        else:
+            buf = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            if len(kept) == _KEPT_PER_WEIGHT:
+                return buf
+            kept.append((buf, _use_count(buf)))
+        return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf.untyped_storage(), 0, buf.shape,
+                                                                       buf.stride())
+
+
+def _weight_grad(g, x, weight, blocks):
+    """grad[e] = g[block].T @ x[block] for each expert's block, idle experts' slices zero, into
+    _grad_like(weight): each slice by the product torch's grouped product makes for it (the same
+    bits)."""
+    grad = _idle_zero(_grad_like(weight), blocks)
+    for e, start, end in blocks:
+        torch.mm(g[start:end].t(), x[start:end], out=grad[e])
+    return grad
+
+
 def _unwritten_zero(grad_x, blocks):
     """Zeroes the rows past the last block (sentinel rows); every other row is written."""
     grad_x[(blocks[-1][2] if blocks else 0):].zero_()
@@ -958,6 +1030,7 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, silu_gate):
+        _keep_grads()  # a bad SCATTER_ADD_MOE_KEEP_GRADS raises here, before anything runs
         hs = xs.new_empty(xs.shape[0], _out_features(w_in, transposed))
         ys = _experts_loop(xs, offsets, w_in, b_in, w_out, b_out, transposed, gate, hs=hs, silu=silu_gate)
         ctx.save_for_backward(xs, offsets, w_in, w_out, hs)
@@ -1018,8 +1091,8 @@ def _loop_backward(ctx, grad_ys, xs, w_in, w_out, a, h, gate_backward, every, pa
     need_x, _, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad[:6]
     tr = ctx.transposed
     grad_x = _unwritten_zero(torch.empty_like(xs), blocks) if need_x else None
-    grad_w_in = _idle_zero(torch.empty_like(w_in), blocks) if need_w_in else None
-    grad_w_out = _idle_zero(torch.empty_like(w_out), blocks) if need_w_out else None
+    grad_w_in = _idle_zero(_grad_like(w_in), blocks) if need_w_in else None
+    grad_w_out = _idle_zero(_grad_like(w_out), blocks) if need_w_out else None
     grad_b_in = w_in.new_zeros(w_in.shape[0], _out_features(w_in, tr)) if need_b_in else None
     grad_b_out = w_out.new_zeros(w_out.shape[0], _out_features(w_out, tr)) if need_b_out else None
     # y = a @ W_out[e] (+ b): the gradient of a, block by block, then the gate's, all rows at once
@@ -1065,8 +1138,13 @@ def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
     g = _operand(grad_ys[:rows])
     grad_a = torch._grouped_mm(g, w_out, offs=offs)
     grad_h = _operand(gate_backward(grad_a))
-    grad_w_out = torch._grouped_mm(g.t(), _operand(a), offs=offs) if need_w_out else None
-    grad_w_in = torch._grouped_mm(grad_h.t(), _operand(xs[:rows]), offs=offs) if need_w_in else None
+    if xs.device.type == "cpu" and _keep_grads():  # into the weights' kept buffers
+        blocks = list(_blocks(offsets))
+        grad_w_out = _weight_grad(g, _operand(a), w_out, blocks) if need_w_out else None
+        grad_w_in = _weight_grad(grad_h, _operand(xs[:rows]), w_in, blocks) if need_w_in else None
+    else:
+        grad_w_out = torch._grouped_mm(g.t(), _operand(a), offs=offs) if need_w_out else None
+        grad_w_in = torch._grouped_mm(grad_h.t(), _operand(xs[:rows]), offs=offs) if need_w_in else None
     grad_x = None
     if need_x:
         grad_x = torch._grouped_mm(grad_h, w_in, offs=offs)
@@ -1090,8 +1168,8 @@ def _grouped_backward_teams(grad_ys, xs, every, parts, rows, w_in, w_out, a, gat
     grad_h = _operand(gate_backward(grad_a))
     a, x = _operand(a), _operand(xs[:rows])
     blocks = [b for [b] in every]
-    grad_w_out = _idle_zero(w_out.new_empty(w_out.shape), blocks) if need_w_out else None
-    grad_w_in = _idle_zero(w_in.new_empty(w_in.shape), blocks) if need_w_in else None
+    grad_w_out = _idle_zero(_grad_like(w_out), blocks) if need_w_out else None
+    grad_w_in = _idle_zero(_grad_like(w_in), blocks) if need_w_in else None
     grad_x = _unwritten_zero(xs.new_empty(xs.shape[0], w_in.shape[2]), blocks) if need_x else None
 
     def weight_grads(part):
