@@ -1615,3 +1615,39 @@ def test_keep_grads_from_the_environment(sa, name, monkeypatch, raw, keep):
     experts_step(ex, h, idx, w, probe)
     assert all(p.grad is not None for p in ex.parameters())
     assert (moe._grad_kept is not None and ex.gate_up_proj in moe._grad_kept) == keep
+
+
+def test_kept_gradient_buffers_held_by_storage_or_in_shared_memory_are_not_written(sa, name, monkeypatch):
+    """A kept gradient buffer whose storage object the caller holds is not written again until it
+    is let go; one moved to shared memory (as torch.multiprocessing does for a gradient it sends,
+    and Module.share_memory()) is never written again; release_gradient_buffers() drops them all."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_KEEP_GRADS", True)
+    monkeypatch.setattr(moe, "_grad_kept", None)
+    m = build("mixtral", torch.bfloat16)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    weight = ex.down_proj
+    first = experts_step(ex, h, idx, w, probe, 1.0)[1]
+    storage, snap, ptr = first.untyped_storage(), first.clone(), first.data_ptr()
+    first = None
+    ex.zero_grad(set_to_none=True)  # the .grad goes; its storage object stays with the caller
+    second = experts_step(ex, h, idx, w, probe, 0.5)[1]
+    assert second.data_ptr() != ptr
+    assert torch.equal(torch.empty(0, dtype=snap.dtype).set_(storage, 0, snap.shape, snap.stride()), snap)
+    storage = second = None
+    ex.zero_grad(set_to_none=True)
+    assert experts_step(ex, h, idx, w, probe, 0.25)[1].data_ptr() == ptr  # let go: written again
+    weight.grad.share_memory_()
+    shared = weight.grad.data_ptr()
+    ex.zero_grad(set_to_none=True)
+    again = experts_step(ex, h, idx, w, probe, 2.0)[1]
+    assert again.data_ptr() != shared
+    assert [b.untyped_storage().is_shared() for b, _ in moe._grad_kept[weight]] == [False]
+    held = sum(p.numel() * p.element_size() for p in ex.parameters())
+    assert moe.release_gradient_buffers() == held and moe._grad_kept is None
+    assert moe.release_gradient_buffers() == 0
+    ex.zero_grad(set_to_none=True)
+    experts_step(ex, h, idx, w, probe)
+    assert len(moe._grad_kept[weight]) == 1

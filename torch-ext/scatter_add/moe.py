@@ -28,7 +28,9 @@ every weight, bias, input and routing weight; the gate's derivative is taken ove
 once, written out for transformers' default silu(gate) * up with autograd's bits, by autograd
 over the gate otherwise), by torch's grouped products where they apply, else block by block;
 in bf16 where torch has no oneDNN bf16 product (AVX2 CPUs), block by block with this library's
-small_matmul / small_matmul_nn (see _own_products).
+small_matmul / small_matmul_nn (see _own_products). On the CPU each expert weight's gradient is
+written into a buffer kept for that weight, reused once nothing else holds it (see _grad_like;
+SCATTER_ADD_MOE_KEEP_GRADS=0 keeps none).
 Under torch.compile the products are two opaque grouped ops
 and the gate is traced, so a block compiles to one graph. Under torch.autocast the weights and
 biases of the experts that run are cast to its dtype (as F.linear's are) and the products, gate
@@ -69,7 +71,7 @@ import torch
 from ._api import gather, index_add, scatter_add
 from ._ops import add_op_namespace_prefix, ops
 
-__all__ = ["experts_forward", "register", "NAME"]
+__all__ = ["experts_forward", "register", "release_gradient_buffers", "NAME"]
 
 NAME = "scatter_add"
 _IGNORE = -1
@@ -382,8 +384,10 @@ def _idle_zero(grad_w, blocks):
 # optimizer.zero_grad() does, or added into another .grad); where something does (a .grad kept,
 # a gradient the caller holds), it takes a second buffer kept for that weight (gradient
 # accumulation: the .grad holds one, each backward's gradient the other), and past those a new
-# tensor. The buffers live as long as their weight: at most twice its size, and no more than the
-# gradients the steps hold anyway. SCATTER_ADD_MOE_KEEP_GRADS=0 keeps none.
+# tensor. The buffers live as long as their weight (release_gradient_buffers() drops them): at most
+# twice its size, and no more than the gradients the steps hold anyway. Memory that went to shared
+# memory (sent to another process) is never written again. SCATTER_ADD_MOE_KEEP_GRADS=0 keeps
+# none.
 _KEEP_GRADS = None  # read from _KEEP_GRADS_ENV by the first training forward
 _KEEP_GRADS_ENV = "SCATTER_ADD_MOE_KEEP_GRADS"
 _KEPT_PER_WEIGHT = 2
@@ -403,15 +407,23 @@ def _keep_grads() -> bool:
 
 
 def _use_count(t) -> int:
-    """How many tensors and storages hold t's memory, counting the storage object this call makes."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    """How many hold t's memory: tensors and storages, and the holders of its storage's Python
+    object (which the storage keeps, so that a caller's `.untyped_storage()` held across steps
+    does not raise the first count), counting this call's own references."""
+    s = t.untyped_storage()
+    return torch._C._storage_Use_Count(s._cdata) + sys.getrefcount(s)
 
 
 def _grad_like(weight):
     """A contiguous tensor of weight's shape and dtype for its gradient, every element to be
-    written: on a buffer kept for weight where one is free (see above), else new."""
+    written: on a buffer kept for weight where one is free (see above), else new (always new off
+    the CPU, for a tensor subclass, and under a dispatch mode or functorch transform)."""
     global _grad_kept
-    if weight.device.type != "cpu" or not _keep_grads():
+    if (weight.device.type != "cpu" or not _keep_grads() or type(weight) not in (torch.Tensor, torch.nn.Parameter)
+            or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
+        if _grad_kept is not None and weight.device.type != "cpu":
+            with _grad_lock:
+                _grad_kept.pop(weight, None)  # a weight moved off the CPU: its buffers go
         return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     with _grad_lock:
         if _grad_kept is None:
@@ -420,6 +432,9 @@ def _grad_like(weight):
         kept = _grad_kept.get(weight)
         if kept is None or kept[0][0].shape != weight.shape or kept[0][0].dtype != weight.dtype:
             kept = _grad_kept[weight] = []
+        # memory moved to shared memory (sent to another process, Module.share_memory()) is not
+        # this process's alone: never written again
+        kept[:] = [k for k in kept if not k[0].untyped_storage().is_shared()]
         for buf, free in kept:
             if _use_count(buf) == free:
                 break
@@ -430,6 +445,16 @@ def _grad_like(weight):
             kept.append((buf, _use_count(buf)))
         return torch.empty(0, dtype=buf.dtype, device=buf.device).set_(buf.untyped_storage(), 0, buf.shape,
                                                                        buf.stride())
+
+
+def release_gradient_buffers() -> int:
+    """Drops the buffers kept for the expert weights' gradients (see the README's Training notes):
+    their memory is freed once no .grad or other tensor uses it any more. Returns the bytes they
+    held. The next backward keeps new ones, unless SCATTER_ADD_MOE_KEEP_GRADS=0."""
+    global _grad_kept
+    with _grad_lock:
+        kept, _grad_kept = _grad_kept, None
+    return sum(buf.numel() * buf.element_size() for entry in (kept.values() if kept else []) for buf, _ in entry)
 
 
 def _weight_grad(g, x, weight, blocks):
