@@ -1651,3 +1651,21 @@ def test_kept_gradient_buffers_held_by_storage_or_in_shared_memory_are_not_writt
     ex.zero_grad(set_to_none=True)
     experts_step(ex, h, idx, w, probe)
     assert len(moe._grad_kept[weight]) == 1
+
+
+def test_no_kept_gradient_buffers_without_the_storage_use_count(sa, name, monkeypatch):
+    """On a torch without torch._C._storage_Use_Count a free buffer cannot be told from a held one:
+    nothing is kept, and training works as with new memory."""
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_KEEP_GRADS", None)
+    monkeypatch.setattr(moe, "_grad_kept", None)
+    monkeypatch.delenv("SCATTER_ADD_MOE_KEEP_GRADS", raising=False)
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    m = build("mixtral", torch.bfloat16)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    got = [g.clone() for g in experts_step(ex, h, idx, w, probe)]
+    assert moe._KEEP_GRADS is False and moe._grad_kept is None
+    ex.zero_grad(set_to_none=True)
+    assert bitwise_equal(got, experts_step(ex, h, idx, w, probe))

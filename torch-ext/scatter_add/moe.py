@@ -402,7 +402,8 @@ def _keep_grads() -> bool:
         if raw not in ("0", "1"):
             raise ValueError(f"scatter_add.moe: {_KEEP_GRADS_ENV} must be 1 (keep the expert weights' gradient "
                              f"buffers) or 0, got {raw!r}")
-        _KEEP_GRADS = raw == "1"
+        # a torch without the storage use count cannot tell a free buffer: nothing kept there
+        _KEEP_GRADS = raw == "1" and hasattr(torch._C, "_storage_Use_Count")
     return _KEEP_GRADS
 
 
