@@ -441,7 +441,10 @@ class MoEBench:
               "n, torch's expert products differ). dispatch/experts/combine = ours' time in three parts, each timed alone (ms; "
               "forward+backward rows: each part's forward and backward). products = the matrix products within experts, "
               "timed alone: the same experts part with a gate that computes nothing (its output, and its gradient, zeros "
-              "laid out as the gate's), every product as in the layer.")
+              "laid out as the gate's), every product as in the layer. forward+backward: ours writes each expert weight's "
+              "gradient into a buffer it keeps for that weight (SCATTER_ADD_MOE_KEEP_GRADS=0 turns that off); the "
+              "built-ins' gradients take new memory, unless glibc is told to keep freed memory (MALLOC_MMAP_THRESHOLD_, "
+              "MALLOC_TRIM_THRESHOLD_: see the README).")
         self.print_goals(rows)
 
     @staticmethod
