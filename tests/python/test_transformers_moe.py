@@ -1669,3 +1669,29 @@ def test_no_kept_gradient_buffers_without_the_storage_use_count(sa, name, monkey
     assert moe._KEEP_GRADS is False and moe._grad_kept is None
     ex.zero_grad(set_to_none=True)
     assert bitwise_equal(got, experts_step(ex, h, idx, w, probe))
+
+
+def test_kept_gradient_buffers_are_laid_out_as_their_weight(sa, name, monkeypatch):
+    """An expert weight stored transposed gets its gradient in its own layout (which autograd takes
+    over as the .grad without a copy), the same bits as with nothing kept, and the buffer again on
+    the next step."""
+    moe = sa.moe
+    m = build("mixtral", torch.bfloat16)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens())
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ex.down_proj = torch.nn.Parameter(ex.down_proj.detach().transpose(1, 2).contiguous().transpose(1, 2))
+    weight = ex.down_proj
+    assert not weight.is_contiguous()
+    monkeypatch.setattr(moe, "_KEEP_GRADS", False)
+    want = experts_step(ex, h, idx, w, probe)[1].clone()
+    monkeypatch.setattr(moe, "_KEEP_GRADS", True)
+    ptrs = []
+    for _ in range(2):
+        ex.zero_grad(set_to_none=True)
+        got = experts_step(ex, h, idx, w, probe)[1]
+        assert got.stride() == weight.stride() and torch.equal(got, want)
+        ptrs.append(got.data_ptr())
+        got = None  # held, it would keep its buffer busy
+    assert ptrs[0] == ptrs[1] and ptrs[0] == moe._grad_kept[weight][0][0].data_ptr()

@@ -416,22 +416,24 @@ def _use_count(t) -> int:
 
 
 def _grad_like(weight):
-    """A contiguous tensor of weight's shape and dtype for its gradient, every element to be
-    written: on a buffer kept for weight where one is free (see above), else new (always new off
-    the CPU, for a tensor subclass, and under a dispatch mode or functorch transform)."""
+    """A tensor laid out as weight (as torch.empty_like, so that autograd takes it over as the
+    .grad without a copy) for its gradient, every element to be written: on a buffer kept for
+    weight where one is free (see above), else new (always new off the CPU, for a tensor
+    subclass, and under a dispatch mode or functorch transform)."""
     global _grad_kept
     if (weight.device.type != "cpu" or not _keep_grads() or type(weight) not in (torch.Tensor, torch.nn.Parameter)
             or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
         if _grad_kept is not None and weight.device.type != "cpu":
             with _grad_lock:
                 _grad_kept.pop(weight, None)  # a weight moved off the CPU: its buffers go
-        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        return torch.empty_like(weight)
     with _grad_lock:
         if _grad_kept is None:
             from torch.utils.weak import WeakIdKeyDictionary
             _grad_kept = WeakIdKeyDictionary()  # an entry goes with its weight
         kept = _grad_kept.get(weight)
-        if kept is None or kept[0][0].shape != weight.shape or kept[0][0].dtype != weight.dtype:
+        if (kept is None or kept[0][0].shape != weight.shape or kept[0][0].dtype != weight.dtype
+                or kept[0][0].stride() != weight.stride()):
             kept = _grad_kept[weight] = []
         # memory moved to shared memory (sent to another process, Module.share_memory()) is not
         # this process's alone: never written again
@@ -440,7 +442,7 @@ def _grad_like(weight):
             if _use_count(buf) == free:
                 break
         else:
-            buf = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            buf = torch.empty_like(weight)
             if len(kept) == _KEPT_PER_WEIGHT:
                 return buf
             kept.append((buf, _use_count(buf)))
