@@ -739,6 +739,52 @@ TEST(Strategies, WorkerThreadsAddUnderTheCallersFlushDenormalMode) {
       }
 }
 
+// Every level rounds bf16/fp16 sums as the scalar one under each floating-point mode (MXCSR's
+// denormals-are-zero and flush-to-zero: neither, either, both), sums among the subnormals and NaNs
+// of several payloads included. The avx512_bf16 level rounds by VCVTNEPS2BF16, which flushes
+// subnormals and keeps NaN payloads, and sends the lanes it would round otherwise to the integer
+// rounding; a class test finds them, and reads a subnormal as zero under denormals-are-zero.
+TEST(Strategies, EveryLevelRoundsSubnormalSumsAsScalarUnderEveryFlushMode) {
+  const unsigned saved_csr = _mm_getcsr();
+  const sa::Isa level = sa::active_isa();
+  struct Shape {
+    int64_t n, k, d;
+  };
+  uint64_t seed = 1100;
+  for (DType t : {DType::bf16, DType::f16})
+    for (unsigned mode : {0x0000u, 0x0040u, 0x8000u, 0x8040u})  // none, DAZ, FTZ, both
+      for (Shape sh : {Shape{64, 300, 256}, Shape{4000, 300, 33}, Shape{300, 4000, 1}, Shape{2048, 4096, 64}})
+        for (sa::Strategy st : kStrategies)
+          for (int threads : {1, 2}) {
+            std::mt19937_64 rng(seed++);
+            Buf out0 = special_buf(t, static_cast<size_t>(sh.n * sh.d), rng);
+            const std::vector<uint16_t> nans = t == DType::bf16 ? std::vector<uint16_t>{0x7F81, 0xFFC1, 0x7FC0, 0xFFFF}
+                                                                : std::vector<uint16_t>{0x7C01, 0xFE01, 0x7E00, 0xFFFF};
+            uint16_t* bits = reinterpret_cast<uint16_t*>(out0.data());
+            for (size_t e = 0; e < out0.size(); e += 97) bits[e] = nans[e / 97 % nans.size()];
+            const Buf src = special_buf(t, static_cast<size_t>(sh.k * sh.d), rng);
+            const Idx idx = make_idx(IndexType::i32, make_indices(Pattern::uniform, sh.n, sh.k, rng));
+            auto run = [&](sa::Isa isa) {
+              EXPECT_EQ(sa::set_isa(isa), isa);
+              Buf out = out0;
+              sa::Options opt;
+              opt.strategy = st;
+              opt.num_threads = threads;
+              _mm_setcsr((saved_csr & ~0x8040u) | mode);
+              sa::index_add_rows(mat(out, sh.n, sh.d, sh.d), idx.view(), cmat(src, sh.k, sh.d, sh.d), {}, opt);
+              _mm_setcsr(saved_csr);
+              return out;
+            };
+            const Buf want = run(sa::Isa::scalar), got = run(level);
+            sa::set_isa(level);
+            for (size_t e = 0; e < got.size(); ++e)
+              ASSERT_EQ(reinterpret_cast<const uint16_t*>(got.data())[e], reinterpret_cast<const uint16_t*>(want.data())[e])
+                  << sa::dtype_name(t) << " mxcsr mode 0x" << std::hex << mode << std::dec << " N=" << sh.n
+                  << " K=" << sh.k << " D=" << sh.d << " strategy=" << sa::strategy_name(st) << " threads=" << threads
+                  << " isa=" << sa::isa_name(level) << " element " << e;
+          }
+}
+
 // Two threads updating disjoint rows of one bf16/fp16 output at the same time: each call writes
 // back only the rows its index names, so every update lands (a dense scratch that wrote every row
 // back, or a vector store that wrote a neighbour's lane back, would restore the other thread's
