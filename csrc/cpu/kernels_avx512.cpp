@@ -108,17 +108,21 @@ struct Avx512BF16 : Avx512F32 {
 #if SCATTER_ADD_AVX512_BF16
     // VCVTNEPS2BF16 rounds to nearest even but flushes subnormals to zero and keeps NaN payloads:
     // those (rare) lanes take the integer rounding, so every level gives the same bits. One
-    // class test (VFPCLASSPS: NaN, +-0 or denormal) finds the vectors that may hold such a lane;
-    // under denormals-are-zero (torch.set_flush_denormal) it reads a subnormal as zero, so zeros
-    // are in the test, and in those vectors narrow_fix's integer tests of the exponent and
-    // mantissa find the lanes. Those three tests on every vector, inline, cost a bf16 plan walk
-    // over random rows of 512 B 12% (Xeon, 2 threads, N = K = 65536, medians of 5 processes
-    // alternated: 3.33 -> 2.92 ms; rows of 2 KiB 3.64 -> 3.50 ms, MoE rows of 4 KiB 0.619 ->
-    // 0.592 ms); the class test with the integer tests inline behind it kept most of the cost
-    // (3.13 ms).
+    // class test (VFPCLASSPS: NaN, +-0 or denormal) finds the vectors that may hold such a lane.
+    // Under denormals-are-zero (torch.set_flush_denormal) it reads a subnormal as zero, hence the
+    // zeros in it; a vector it flags goes to narrow_fix's integer tests only when a flagged lane
+    // is not exactly +-0 (zeros round exactly: rows of zeros, and the zero lanes past a row's end,
+    // stay on this path). With the three integer tests inline on every vector, a bf16 plan walk
+    // over random rows of 512 B took 3.39 ms, 3.06 now (Xeon, 2 threads, N = K = 65536, medians
+    // of 4 processes alternated); with half the sources zero 3.42 and 3.42; MoE rows of 4 KiB
+    // 0.61 and 0.58. Every flagged vector sent to narrow_fix, zeros included: 2.97 ms on random
+    // rows, but 3.67 with half the sources zero.
     const __m256bh h = _mm512_cvtneps_pbh(v);
     __m256i out = reinterpret_cast<const __m256i&>(h);
-    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x01 | 0x02 | 0x04 | 0x20 | 0x80) != 0, 0)) out = narrow_fix(v, out);
+    const __mmask16 maybe = _mm512_fpclass_ps_mask(v, 0x01 | 0x02 | 0x04 | 0x20 | 0x80);
+    if (__builtin_expect(maybe != 0, 0) &&
+        (maybe & _mm512_test_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF))) != 0)
+      out = narrow_fix(v, out);
     return out;
 #else
     return _mm512_cvtepi32_epi16(bf16_by_integer(v));
