@@ -1695,3 +1695,41 @@ def test_kept_gradient_buffers_are_laid_out_as_their_weight(sa, name, monkeypatc
         ptrs.append(got.data_ptr())
         got = None  # held, it would keep its buffer busy
     assert ptrs[0] == ptrs[1] and ptrs[0] == moe._grad_kept[weight][0][0].data_ptr()
+
+
+def test_no_kept_gradient_buffers_under_a_dispatch_mode(sa, name, monkeypatch):
+    """Under a dispatch mode (a tracer, a FLOP counter) nothing is kept: the grouped backward makes
+    the weight gradients with torch's grouped products, as with keeping off (the same bits; a mode
+    also turns off paths that torch's ops would not show it, so a step without it is no
+    reference), and leaves no buffer for the weights."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    moe = sa.moe
+    monkeypatch.setattr(moe, "_GROUPED_BACKWARD", True)
+    monkeypatch.setattr(moe, "_grad_kept", None)
+    m = build("mixtral", torch.bfloat16, wide=True)
+    ex, (h, idx, w) = capture_experts_inputs(m, tokens(n=64, batch=3))
+    ex.config._experts_implementation = name
+    probe = torch.randn(h.shape, generator=torch.Generator().manual_seed(5))
+    got = {}
+    for keep in (False, True):
+        monkeypatch.setattr(moe, "_KEEP_GRADS", keep)
+        ex.zero_grad(set_to_none=True)
+        x = h.clone().requires_grad_(True)
+        loss = (ex(x, idx, w).float() * probe).sum()
+        with Record() as rec:  # the backward's ops (the forward makes its products block by block)
+            loss.backward()
+        got[keep] = [p.grad.clone() for p in ex.parameters()]
+        assert torch.ops.aten.mm.out not in rec.ops
+        assert sum(f is torch.ops.aten._grouped_mm.default for f in rec.ops) == 4  # grad_a, grad_x, the weights
+    assert bitwise_equal(got[False], got[True])
+    assert moe._grad_kept is None or all(moe._grad_kept.get(p) is None for p in ex.parameters())

@@ -415,14 +415,19 @@ def _use_count(t) -> int:
     return torch._C._storage_Use_Count(s._cdata) + sys.getrefcount(s)
 
 
+def _keeps(weight) -> bool:
+    """Whether weight's gradient goes into a kept buffer: on the CPU, keeping on, a plain tensor
+    or Parameter (no subclass), and no dispatch mode or functorch transform active."""
+    return (weight.device.type == "cpu" and _keep_grads() and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active())
+
+
 def _grad_like(weight):
     """A tensor laid out as weight (as torch.empty_like, so that autograd takes it over as the
     .grad without a copy) for its gradient, every element to be written: on a buffer kept for
-    weight where one is free (see above), else new (always new off the CPU, for a tensor
-    subclass, and under a dispatch mode or functorch transform)."""
+    weight where one is free (see above), else new (where not _keeps(weight))."""
     global _grad_kept
-    if (weight.device.type != "cpu" or not _keep_grads() or type(weight) not in (torch.Tensor, torch.nn.Parameter)
-            or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
+    if not _keeps(weight):
         if _grad_kept is not None and weight.device.type != "cpu":
             with _grad_lock:
                 _grad_kept.pop(weight, None)  # a weight moved off the CPU: its buffers go
@@ -1157,22 +1162,25 @@ def _grouped_backward(grad_ys, xs, offsets, rows, w_in, w_out, a, gate_backward,
     _grouped_ok): one call per product for every expert, where the loop makes four per
     expert and a Python round trip each. The weight gradients come out whole, contiguous
     [E, out, in], with idle experts' slices zero; the blocks' products are those of
-    the loop (x_e.T @ g_e and g_e @ W_e), in torch's grouped form. Qwen3-MoE block (128 experts
+    the loop (x_e.T @ g_e and g_e @ W_e), in torch's grouped form, or where the weight has kept
+    buffers (_keeps) one product per expert into them, the same bits. Qwen3-MoE block (128 experts
     of about 4 rows, 64 tokens, bf16, two threads, an EPYC), ms of the backward, ours / grouped_mm:
     block by block 174-190 / 150-157 (10 ms of it the loop's own Python), this way 131-146 /
-    136-150. Most of it is writing the full-size weight gradients into fresh memory, which every
-    implementation pays (see docs/benchmarks.md)."""
+    136-150, before the kept buffers: most of it was writing the full-size weight gradients into
+    fresh memory (see docs/benchmarks.md)."""
     offs = offsets.to(torch.int32)
     g = _operand(grad_ys[:rows])
     grad_a = torch._grouped_mm(g, w_out, offs=offs)
     grad_h = _operand(gate_backward(grad_a))
-    if xs.device.type == "cpu" and _keep_grads():  # into the weights' kept buffers
-        blocks = list(_blocks(offsets))
-        grad_w_out = _weight_grad(g, _operand(a), w_out, blocks) if need_w_out else None
-        grad_w_in = _weight_grad(grad_h, _operand(xs[:rows]), w_in, blocks) if need_w_in else None
-    else:
-        grad_w_out = torch._grouped_mm(g.t(), _operand(a), offs=offs) if need_w_out else None
-        grad_w_in = torch._grouped_mm(grad_h.t(), _operand(xs[:rows]), offs=offs) if need_w_in else None
+    blocks = list(_blocks(offsets)) if _keeps(w_in) or _keeps(w_out) else None
+    grad_w_out = grad_w_in = None
+    if need_w_out:  # into the weight's kept buffers, where it has them
+        grad_w_out = (_weight_grad(g, _operand(a), w_out, blocks) if _keeps(w_out)
+                      else torch._grouped_mm(g.t(), _operand(a), offs=offs))
+    if need_w_in:
+        x = _operand(xs[:rows])
+        grad_w_in = (_weight_grad(grad_h, x, w_in, blocks) if _keeps(w_in)
+                     else torch._grouped_mm(grad_h.t(), x, offs=offs))
     grad_x = None
     if need_x:
         grad_x = torch._grouped_mm(grad_h, w_in, offs=offs)
