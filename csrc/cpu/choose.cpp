@@ -238,13 +238,15 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
     const DirectSplit split = direct_split(s, o, false);
     // float32/float64 rows wide enough for a column split take ranges of single rows when the
     // index balances them (policy.h, kRowsBalanceNum): counted as divided, as an index without a
-    // hot row gives, where out is small (kRangesDivideMaxOutBytes) and has rows enough for shares
+    // hot row gives, where out is small (kRangesDivideMaxOutBytes) or the index sparse over it
+    // (kRangesDivideSparseLoadDen), and has rows enough for shares
     // that even an even index balances (N = 3 on two threads cuts 2:1 and keeps the column split).
     // bf16/fp16 cut whole blocks of rows and are not counted.
     const int64_t nt = split.threads, most = (s.n + nt - 1) / std::max<int64_t>(nt, 1);
     const bool even_cut = most * nt * P::kRowsBalanceDen <= s.n * P::kRowsBalanceNum;
+    const bool sparse = s.k * P::kRangesDivideSparseLoadDen <= s.n;  // few entries per row
     const bool ranges = split.rows_when_balanced && es != 2.0 && even_cut &&
-                        static_cast<double>(s.n) * d * es <= static_cast<double>(P::kRangesDivideMaxOutBytes);
+                        (sparse || static_cast<double>(s.n) * d * es <= static_cast<double>(P::kRangesDivideMaxOutBytes));
     const bool divides = split.rows || ranges ||
                          (split.columns && d * es / split.threads >= static_cast<double>(P::kColumnShareScalesBytes));
     return divides ? one / split.threads : one;

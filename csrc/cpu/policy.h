@@ -312,6 +312,24 @@ struct CpuPolicy {
   // against count 581-628; N = 16384 K = 1024 D = 512 104-111 against radix 84-96) and are not
   // counted.
   static constexpr int64_t kRangesDivideMaxOutBytes = 256 << 10;
+  // They are counted as dividing whatever the size of out where the index names a row at most
+  // 1 / kRangesDivideSparseLoadDen times on average (K <= N / Den): each thread then adds few
+  // entries into rows of its own, where a plan pays its sort and reads every source row at random.
+  // The recorded two-thread grids (`bench_scatter_add --evaluate
+  // benchmarks/cpu_calibration_{xeon_480m,zen5}_2t.csv`, least wall time of each strategy forced)
+  // had one such shape of 1 KiB rows, float32 N = 16384 K = 1638 D = 256 (out 16 MiB): direct
+  // 33.1 / 20.7 us (uniform / zipf) against radix's 47.0 / 33.0 on the Xeon with AMX, 20.1 / 15.9
+  // against 24.7 / 21.3 on the Zen 5 EPYC, where the model had picked radix; no other pick of either
+  // grid changes (regret 1.034x -> 1.028x and 1.040x -> 1.036x). Through the Python API on that
+  // Xeon, two threads, the sweep's timing (bench_sweep.run_cell), two processes each, ours' us
+  // radix (the old pick) -> direct, torch's best beside: float32 D = 256 N = 16384 K = 1638
+  // 82-86 -> 55-58 (89-105), N = 32768 K = 4096 270-280 -> 193-196 (322-333), N = 65536 K = 6554
+  // 435-439 -> 332-339 (515-558), N = 1M K = 100k 13.0-13.4 -> 7.9-8.7 ms (12.6-13.9), zipf
+  // N = 100k K = 10k 471-506 -> 374-375 (622-636); D = 512 N = 16384 K = 2048 234-240 -> 179-191
+  // (258-278); float64 D = 128 N = 65536 K = 6554 442-453 -> 334-419 (523-600). Where rows are
+  // named about once (N = K = 16384, D = 256) the two CPUs disagree (direct 1.15x faster than
+  // count on the Xeon, 1.41x slower on the Zen 5), so there the former pricing stays.
+  static constexpr int64_t kRangesDivideSparseLoadDen = 8;
   // Direct, rows too narrow for that: a row split costs each thread this much per mispredicted
   // skip of another thread's entry. Measured with 1 and 2 threads (wall time, idle 2-core Xeon),
   // where every thread walks the whole index: N = 100k, K = 1M, D = 1 float32 took 2.3-2.4 ms on

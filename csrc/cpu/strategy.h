@@ -78,8 +78,9 @@ struct RowCut {
 RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift);
 // The same on up to `threads` threads, as each strategy divides its work: a plan's rows over the
 // threads threads_for gives them (its sort on one), the direct walk only where run_direct splits
-// its rows, takes ranges of float32/float64 rows of a small out (an index that balances them
-// assumed where an even one would; CpuPolicy::kRangesDivideMaxOutBytes), or splits its columns in shares of
+// its rows, takes ranges of float32/float64 rows of a small out or a sparse index (an index that
+// balances them assumed where an even one would; CpuPolicy::kRangesDivideMaxOutBytes,
+// kRangesDivideSparseLoadDen), or splits its columns in shares of
 // CpuPolicy::kColumnShareScalesBytes or more (narrower shares gain nothing; below
 // kMinColumnShareBytes it runs on one thread). choose_add compares these.
 double threaded_ns(const AddShape& s, Strategy strategy, int threads);

@@ -1211,6 +1211,25 @@ TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
   // The same rows into an out of 4 MiB: ranges of rows are not counted there.
   const sa::cpu::AddShape big_out{4096, 4096, 256, DType::f32};
   EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(big_out, sa::Strategy::direct, 2), sa::cpu::estimate_ns(big_out, sa::Strategy::direct));
+  // ... unless the index names each row at most 1 / kRangesDivideSparseLoadDen times: then they are,
+  // whatever the size of out, and the walk is the pick on two threads (a plan reads every source
+  // row at random for few entries a row). bf16 rows stay uncounted.
+  using P = sa::cpu::CpuPolicy;
+  const int64_t rows = 16384, sparse_k = rows / P::kRangesDivideSparseLoadDen;
+  for (const sa::cpu::AddShape& s : {sa::cpu::AddShape{rows, sparse_k, 256, DType::f32},
+                                     sa::cpu::AddShape{1000000, 100000, 256, DType::f32},
+                                     sa::cpu::AddShape{rows, sparse_k, 128, DType::f64}}) {
+    EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(s, sa::Strategy::direct, 2), sa::cpu::estimate_ns(s, sa::Strategy::direct) / 2)
+        << s.n << " " << s.k;
+    if (sa::get_strategy() != sa::Strategy::automatic) continue;
+    sa::Options two;
+    two.num_threads = 2;
+    EXPECT_EQ(sa::cpu::choose_add(s, two), sa::Strategy::direct) << s.n << " " << s.k;
+  }
+  const sa::cpu::AddShape denser{rows, sparse_k + 1, 256, DType::f32}, sparse_bf16{rows, sparse_k, 512, DType::bf16};
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(denser, sa::Strategy::direct, 2), sa::cpu::estimate_ns(denser, sa::Strategy::direct));
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(sparse_bf16, sa::Strategy::direct, 2),
+                   sa::cpu::estimate_ns(sparse_bf16, sa::Strategy::direct));
   // Rows of 4 KiB split by columns in 2 KiB shares: the walk divides too.
   const sa::cpu::AddShape wide{41, 4096, 1024, DType::f32};
   EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(wide, sa::Strategy::direct, 2),
