@@ -11,7 +11,9 @@ top-2 and top-8 at D in {64, 1024, 4096}. Sizes shrink with D so no operand exce
 (16 MiB of float32 by default, --max-mb to change; the whole sweep takes about 3 minutes). Past
 that cap, a few bandwidth cells (rows of 256 B to 16 KiB, 64 MiB of float32 sources or more, each
 moving well over 64 MB) check the bandwidth goal, each against a stream ceiling measured right
-before it; they are left out of the heatmap.
+before it and beside a plain copy of the same source rows in the same order by torch's
+index_select (what a copy with no adding reaches on rows read that way); they are left out of the
+heatmap.
 
 Per cell: ours = `scatter_add(out, index_int32, src)` through the public API (`--index int64` to
 give ours the int64 index instead); torch = the best of
@@ -174,7 +176,7 @@ OURS_INDEX = torch.int32  # the index dtype ours is given (--index)
 DISTS = ("uniform", "sorted", "zipf", "one", "moe_top2", "moe_top8")
 
 
-def run_cell(sa, n, k, d, dist, dtype, budget, gather, rounds=15):
+def run_cell(sa, n, k, d, dist, dtype, budget, gather, rounds=15, row_copy=False):
     # Each cell's index comes from a generator of its own, so that a cell timed again times the
     # same index (and the bytes and distinct rows counted the first time hold for every run).
     gen = torch.Generator().manual_seed((n * 1_000_003 + k) * 64 + d * 8 + DISTS.index(dist))
@@ -195,12 +197,23 @@ def run_cell(sa, n, k, d, dist, dtype, budget, gather, rounds=15):
         lambda: out.index_add_(0, idx32, src),
         lambda: out.scatter_add_(0, exp, src),
     ]
-    t = interleaved(fns, rounds=rounds, budget=budget)
+    if row_copy:
+        # What a plain copy of the rows this call reads at random reaches: torch's index_select of
+        # the K source rows in the order of their destination rows (the order a destination-sorted
+        # walk reads them in) into a result made beforehand. Timed in the same rounds as ours, so
+        # that it meets the caches ours meets (on a CPU whose L3 holds a cell's operands, timed
+        # alone it ran at cache speed); never dropped, and not one of torch's paths.
+        order = torch.argsort(idx64, stable=True)
+        buf = torch.empty_like(src)
+        fns.insert(1, lambda: torch.index_select(src, 0, order, out=buf))
+    t = interleaved(fns, rounds=rounds, budget=budget, peers_from=2 if row_copy else 1)
     es = torch.finfo(dtype).bits // 8
     cell = {"n": n, "k": k, "d": d, "dist": dist, "dtype": str(dtype).replace("torch.", ""),
-            "ours_us": t[0] * 1e6, "index_add_i64_us": t[1] * 1e6, "index_add_i32_us": t[2] * 1e6,
-            "scatter_add_us": t[3] * 1e6, "distinct": distinct,
-            "bytes": k * d * es + 2 * distinct * d * es + 4 * k}
+            "ours_us": t[0] * 1e6, "distinct": distinct, "bytes": k * d * es + 2 * distinct * d * es + 4 * k}
+    if row_copy:
+        cell.update({"row_copy_us": t[1] * 1e6, "row_copy_bytes": 2 * k * d * es + 8 * k})
+        t = t[:1] + t[2:]
+    cell.update({"index_add_i64_us": t[1] * 1e6, "index_add_i32_us": t[2] * 1e6, "scatter_add_us": t[3] * 1e6})
     cell["torch_us"] = min(t[1:]) * 1e6
     cell["speedup"] = cell["torch_us"] / cell["ours_us"]
     if gather:
@@ -219,7 +232,7 @@ GATHER_PATHS = ("index_select_us", "getitem_us")
 
 def keep_fastest(cell, again):
     """Each path of cell keeps the faster of its time and again's; the ratios are recomputed."""
-    for key in ("ours_us", "gather_us") + TORCH_PATHS + GATHER_PATHS:
+    for key in ("ours_us", "gather_us", "row_copy_us") + TORCH_PATHS + GATHER_PATHS:
         if key in cell and key in again:
             cell[key] = min(cell[key], again[key])
     cell["torch_us"] = min(cell[k] for k in TORCH_PATHS)
@@ -236,6 +249,11 @@ def held_to_bandwidth(c):
 
 def pct_ceiling(c, ceiling):
     return 100 * c["bytes"] / (c["ours_us"] * 1e-6) / 1e9 / c.get("ceiling_gbs", ceiling)
+
+
+def row_copy_pct(c, ceiling):
+    """The row-copy reference of a bandwidth cell (run_cell) in % of the cell's stream ceiling."""
+    return 100 * c["row_copy_bytes"] / (c["row_copy_us"] * 1e-6) / 1e9 / c.get("ceiling_gbs", ceiling)
 
 
 def added_us(c):
@@ -370,7 +388,7 @@ def main():
         for dtype in [getattr(torch, d) for d in dtypes]:
             big = (n, k, d, dist) in BANDWIDTH
             cell_ceiling = stream.measure() if big else None  # bandwidth drifts: measured right before
-            c = run_cell(sa, n, k, d, dist, dtype, args.budget, dist == "uniform")
+            c = run_cell(sa, n, k, d, dist, dtype, args.budget, dist == "uniform", row_copy=big)
             if big:
                 c.update({"set": "bandwidth", "ceiling_gbs": cell_ceiling})
             results.append(c)
@@ -398,7 +416,7 @@ def main():
             # takes milliseconds, and the usual budget gives it 3 rounds.
             budget = 20 * args.budget if held_to_bandwidth(c) else 2 * args.budget
             again = run_cell(sa, c["n"], c["k"], c["d"], c["dist"], getattr(torch, c["dtype"]), budget,
-                             "gather_us" in c, rounds=45)
+                             "gather_us" in c, rounds=45, row_copy="row_copy_us" in c)
             keep_fastest(c, again)
         c["reruns"] = 2
     ceiling = (ceiling + stream.measure()) / 2
@@ -427,7 +445,13 @@ def main():
     for c in big:
         print(f"  {label(c)} {c['bytes'] / 1e6:6.0f} MB {c['gbs']:6.1f} GB/s = {c['pct_ceiling']:3.0f}% of "
               f"{c.get('ceiling_gbs', ceiling):5.1f}" + ("" if "ceiling_gbs" in c else " (the run's mean ceiling)") +
-              f"  (torch's best {c['speedup']:.2f}x slower)")
+              f"  (torch's best {c['speedup']:.2f}x slower)" +
+              (f"; a copy of its source rows in that order {row_copy_pct(c, ceiling):3.0f}%" if "row_copy_us" in c else ""))
+    if any("row_copy_us" in c for c in big):
+        print("  (a copy of its source rows in that order: torch's index_select of the cell's K source rows, in the\n"
+              "   order of their destination rows, into a result made beforehand, timed in the same rounds as\n"
+              "   ours: a copy with no adding that reads the source rows as a destination-sorted walk does;\n"
+              "   bytes: each row read and written once)")
     g = [c for c in results if "gather_speedup" in c]
     gs = [c["gather_speedup"] for c in g]
     gbig = [c for c in g if not is_small(c, "gather_")]
