@@ -244,7 +244,8 @@ double threaded_ns(const AddShape& s, Strategy strategy, int threads) {
     // bf16/fp16 cut whole blocks of rows and are not counted.
     const int64_t nt = split.threads, most = (s.n + nt - 1) / std::max<int64_t>(nt, 1);
     const bool even_cut = most * nt * P::kRowsBalanceDen <= s.n * P::kRowsBalanceNum;
-    const bool sparse = s.k * P::kRangesDivideSparseLoadDen <= s.n;  // few entries per row
+    // Few entries per row, on the two threads that were measured (kRangesDivideSparseLoadDen).
+    const bool sparse = nt == 2 && s.k <= s.n / P::kRangesDivideSparseLoadDen;
     const bool ranges = split.rows_when_balanced && es != 2.0 && even_cut &&
                         (sparse || static_cast<double>(s.n) * d * es <= static_cast<double>(P::kRangesDivideMaxOutBytes));
     const bool divides = split.rows || ranges ||

@@ -312,9 +312,11 @@ struct CpuPolicy {
   // against count 581-628; N = 16384 K = 1024 D = 512 104-111 against radix 84-96) and are not
   // counted.
   static constexpr int64_t kRangesDivideMaxOutBytes = 256 << 10;
-  // They are counted as dividing whatever the size of out where the index names a row at most
-  // 1 / kRangesDivideSparseLoadDen times on average (K <= N / Den): each thread then adds few
-  // entries into rows of its own, where a plan pays its sort and reads every source row at random.
+  // On two threads they are counted as dividing whatever the size of out where the index names a
+  // row at most 1 / kRangesDivideSparseLoadDen times on average (K <= N / Den): each thread then
+  // adds few entries into rows of its own (its rows cut by their entries alone, cut_rows), where a
+  // plan pays its sort and reads every source row at random. More threads keep the former pricing:
+  // not measured.
   // The recorded two-thread grids (`bench_scatter_add --evaluate
   // benchmarks/cpu_calibration_{xeon_480m,zen5}_2t.csv`, least wall time of each strategy forced)
   // had one such shape of 1 KiB rows, float32 N = 16384 K = 1638 D = 256 (out 16 MiB): direct

@@ -67,15 +67,18 @@ struct DirectSplit {
 };
 DirectSplit direct_split(const AddShape& s, const Options& o, bool sorted);
 // A row split of the direct walk into nt ranges of blocks of 2^shift rows, cut at equal shares of
-// a sample of CpuPolicy::kBalanceSamples index entries (plus one per block, so that an index
-// concentrated in few blocks still spreads the rows): thread t takes blocks [cut[t], cut[t + 1]).
+// a sample of CpuPolicy::kBalanceSamples index entries, entries naming `ignore` left out (plus
+// block_base per block: 1 where a thread's rows cost it work of their own, so that an index
+// concentrated in few blocks still spreads the rows; 0 for ranges of rows added in place, whose
+// work is their entries alone): thread t takes blocks [cut[t], cut[t + 1]).
 // balanced: no range holds more than kRowsBalanceNum / kRowsBalanceDen of an equal share of the
 // sampled entries (a split never changes the bits, so an estimate of the balance is enough).
 struct RowCut {
   std::vector<int64_t> cut;
   bool balanced;
 };
-RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift);
+RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift, int64_t block_base = 1,
+                std::optional<int64_t> ignore = std::nullopt);
 // The same on up to `threads` threads, as each strategy divides its work: a plan's rows over the
 // threads threads_for gives them (its sort on one), the direct walk only where run_direct splits
 // its rows, takes ranges of float32/float64 rows of a small out or a sparse index (an index that

@@ -231,14 +231,16 @@ class SpinBarrier {
 
 }  // namespace
 
-RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift) {
+RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift, int64_t block_base,
+                std::optional<int64_t> ignore) {
   const int64_t k = index.size;
   std::vector<int64_t> blocks(static_cast<size_t>((n >> shift) + 1));
   const int64_t step = std::max<int64_t>(1, k / CpuPolicy::kBalanceSamples);
+  const int64_t skip = ignore.value_or(-1);  // out of range when unset: never a row
   auto sample = [&](const auto* idx) {
     for (int64_t i = 0; i < k; i += step) {
       const int64_t r = static_cast<int64_t>(idx[i]);
-      if (r >= 0 && r < n) ++blocks[static_cast<size_t>(r >> shift)];
+      if (r >= 0 && r < n && r != skip) ++blocks[static_cast<size_t>(r >> shift)];
     }
   };
   if (index.type == IndexType::i64)
@@ -247,13 +249,13 @@ RowCut cut_rows(const IndexVector& index, int64_t n, int nt, int shift) {
     sample(static_cast<const int32_t*>(index.data));
   const int64_t nb = static_cast<int64_t>(blocks.size());
   int64_t total = 0;
-  for (int64_t b = 0; b < nb; ++b) total += blocks[static_cast<size_t>(b)] + 1;
+  for (int64_t b = 0; b < nb; ++b) total += blocks[static_cast<size_t>(b)] + block_base;
   RowCut rc{std::vector<int64_t>(static_cast<size_t>(nt) + 1, nb), false};
   rc.cut[0] = 0;
   int64_t run = 0, t = 1;
   for (int64_t b = 0; b < nb && t < nt; ++b) {
     const int64_t before = run;
-    run += blocks[static_cast<size_t>(b)] + 1;
+    run += blocks[static_cast<size_t>(b)] + block_base;
     for (; t < nt && run * nt >= total * t; ++t) {  // the block's end or start, whichever is nearer
       const bool start = total * t - before * nt < run * nt - total * t;
       rc.cut[static_cast<size_t>(t)] = std::max(rc.cut[static_cast<size_t>(t) - 1], start ? b : b + 1);
@@ -295,7 +297,10 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   // Row split: the threads' ranges of rows, from a sample of the index (cut_rows).
   std::vector<int64_t> cut;
   if (split_rows || split.rows_when_balanced) {
-    RowCut rc = cut_rows(index, n, nt, shift);
+    // Ranges of wide float32/float64 rows add in place: a thread's work is its entries, and its
+    // rows that no entry names cost it nothing (so a sparse index over part of out still splits).
+    const bool in_place = !split_rows && !narrow;
+    RowCut rc = cut_rows(index, n, nt, shift, in_place ? 0 : 1, o.ignore_index);
     cut = std::move(rc.cut);
     if (split.rows_when_balanced && rc.balanced) {  // wide rows: ranges of rows, not columns of every row
       split_rows = true;

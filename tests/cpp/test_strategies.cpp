@@ -369,7 +369,8 @@ TEST(Strategies, WideRowsSplitByRowsWhenBalancedGiveTheContractBits) {
           int shift = narrow ? 6 : 0;
           while ((n >> shift) >= sa::cpu::CpuPolicy::kMaxBlocks) ++shift;
           const bool want_rows = sh.balanced == 1 || (sh.balanced == 2 && !narrow);
-          ASSERT_EQ(sa::cpu::cut_rows(idx.view(), n, 2, shift).balanced, want_rows)
+          // as run_direct cuts them: float32/float64 ranges by their entries alone
+          ASSERT_EQ(sa::cpu::cut_rows(idx.view(), n, 2, shift, narrow ? 1 : 0).balanced, want_rows)
               << sa::dtype_name(t) << " N=" << n << " K=" << k;
         }
         const std::vector<float> w = special_weights(k, rng);
@@ -1173,6 +1174,36 @@ TEST(StrategySwitch, OptionsAndSetStrategyForceOne) {
   sa::set_strategy(before);
 }
 
+// A sparse index into part of a large out (K far below N, entries in the first half of the rows,
+// three quarters of them padding at an in-range ignore_index): ranges of wide float32/float64
+// rows are cut by their entries alone, the ignored ones left out, so the walk still takes them,
+// where a base weight per block of rows, or the padding row counted as a hot one, would leave it
+// on column shares. The same bits at one to three threads.
+TEST(Strategies, SparseIndexOverPartOfOutCutsRangesByItsEntries) {
+  const int64_t n = 16384, k = 1024, d = 256, pad = 100;
+  std::mt19937_64 rng(4242);
+  std::uniform_int_distribution<int64_t> half(0, n / 2 - 1);
+  std::vector<int64_t> iv(static_cast<size_t>(k));
+  for (int64_t i = 0; i < k; ++i) iv[static_cast<size_t>(i)] = i % 4 != 0 ? pad : half(rng);
+  int shift = 0;
+  while ((n >> shift) >= sa::cpu::CpuPolicy::kMaxBlocks) ++shift;
+  for (DType t : {DType::f32, DType::f64}) {
+    const Idx idx = make_idx(IndexType::i32, iv);
+    EXPECT_TRUE(sa::cpu::cut_rows(idx.view(), n, 2, shift, 0, pad).balanced);
+    EXPECT_FALSE(sa::cpu::cut_rows(idx.view(), n, 2, shift, 1, pad).balanced);  // a base per block
+    EXPECT_FALSE(sa::cpu::cut_rows(idx.view(), n, 2, shift, 0).balanced);       // the padding row counted
+    const Buf out0 = special_buf(t, static_cast<size_t>(n * d), rng);
+    const Buf src = special_buf(t, static_cast<size_t>(k * d), rng);
+    const std::vector<float> w = special_weights(k, rng);
+    Buf want = out0;
+    reference_add(want, n, d, d, src, d, iv, w.data(), pad);
+    for (int threads : {1, 2, 3}) {
+      const Buf out = direct_walk(out0, n, d, d, idx, src, k, d, w.data(), threads, pad);
+      ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " threads=" << threads;
+    }
+  }
+}
+
 // The cost model compares what each strategy takes on the threads it would get: a plan's rows
 // divide over them, the direct walk of rows too narrow to split by columns does not.
 TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
@@ -1228,6 +1259,9 @@ TEST(StrategyChoice, ThreadsCountForAPlanNotForAWalkThatRunsAlone) {
   }
   const sa::cpu::AddShape denser{rows, sparse_k + 1, 256, DType::f32}, sparse_bf16{rows, sparse_k, 512, DType::bf16};
   EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(denser, sa::Strategy::direct, 2), sa::cpu::estimate_ns(denser, sa::Strategy::direct));
+  // measured on two threads only: three keep the former pricing (rows of 1.5 KiB, shares of 512 B)
+  const sa::cpu::AddShape three{rows, sparse_k, 384, DType::f32};
+  EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(three, sa::Strategy::direct, 3), sa::cpu::estimate_ns(three, sa::Strategy::direct));
   EXPECT_DOUBLE_EQ(sa::cpu::threaded_ns(sparse_bf16, sa::Strategy::direct, 2),
                    sa::cpu::estimate_ns(sparse_bf16, sa::Strategy::direct));
   // Rows of 4 KiB split by columns in 2 KiB shares: the walk divides too.
