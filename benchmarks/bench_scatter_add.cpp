@@ -487,6 +487,9 @@ void random_rows_table(int threads) {
     for (const Cell& c : cells) {
       const size_t es = sa::dtype_size(dt);
       Buffer out(static_cast<size_t>(c.n * c.d) * es, false), src(static_cast<size_t>(c.k * c.d) * es, false);
+      // Sources of both signs (finite read as dtype elements or, by the bound, as 32-bit words),
+      // so that every call changes the rows as the sweep's values do; zeros left them as they were.
+      for (size_t i = 0; i < src.n; i += es) src.p[i + es - 1] = (i / es) % 2 ? 0xbc : 0x3c;
       const std::vector<int32_t> idx = make_index(c.dist, c.n, c.k, rng);
       const sa::IndexVector iv{idx.data(), c.k, sa::IndexType::i32};
       const sa::Matrix om{out.p, c.n, c.d, c.d, dt};
