@@ -910,6 +910,53 @@ TEST(Strategies, SortedIndexWithIgnoredEndsGivesTheContractBits) {
       }
 }
 
+// A sorted index over one-column bf16/fp16 rows is walked 16 entries at a time where the AVX-512
+// kernels run: runs of 1 to 40 entries (inside a block, across blocks, longer than one), an
+// ignored row in the middle (its blocks walked one entry at a time), an int64 ignore_index past
+// the int32 range at the end, weights or none, on 1 to 3 threads, against the reference.
+TEST(Strategies, SortedOneColumnRunsInBlocksGiveTheContractBits) {
+  uint64_t seed = 700;
+  for (DType t : {DType::bf16, DType::f16})
+    for (IndexType it : kItypes)
+      for (bool weighted : {false, true})
+        for (int ig = 0; ig < 3; ++ig) {
+          std::mt19937_64 rng(seed++);
+          const int64_t n = 3000;
+          std::vector<int64_t> iv;
+          for (int64_t r = 0; r < n; r += 1 + static_cast<int64_t>(rng() % 3)) {
+            const int64_t len = rng() % 4 == 0 ? 1 + static_cast<int64_t>(rng() % 40) : 1 + static_cast<int64_t>(rng() % 3);
+            iv.insert(iv.end(), static_cast<size_t>(len), r);
+          }
+          std::optional<int64_t> ignore;
+          if (ig == 1) ignore = iv[iv.size() / 2];  // a row in the middle, skipped
+          if (ig == 2 && it == IndexType::i64) {
+            ignore = int64_t(1) << 40;
+            iv.insert(iv.end(), 37, *ignore);
+          }
+          const int64_t k = static_cast<int64_t>(iv.size());
+          const Idx idx = make_idx(it, iv);
+          const Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
+          const Buf src = special_buf(t, static_cast<size_t>(k), rng);
+          const std::vector<float> w = special_weights(k, rng);
+          Buf want = out0;
+          reference_add(want, n, 1, 1, src, 1, iv, weighted ? w.data() : nullptr, ignore);
+          for (int threads : {1, 2, 3}) {
+            Buf out = out0;
+            sa::Options opt;
+            opt.strategy = sa::Strategy::direct;
+            opt.num_threads = threads;
+            opt.ignore_index = ignore;
+            sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(src, k, 1, 1),
+                               {weighted ? w.data() : nullptr, k, DType::f32}, opt);
+            size_t e = 0;
+            while (e < out.size() && out.get(e) == want.get(e)) ++e;
+            ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64")
+                                             << (weighted ? " weighted" : "") << " ignore=" << ig << " threads=" << threads
+                                             << " isa=" << sa::isa_name(sa::active_isa()) << ": row " << e;
+          }
+        }
+}
+
 TEST(Strategies, PlanMethodsGiveTheSamePlan) {
   std::mt19937_64 rng(7);
   for (int64_t n : {1, 100, 70000})
