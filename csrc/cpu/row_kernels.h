@@ -531,6 +531,14 @@ struct RowKernels {
   // K = 100k 0.53-0.62 -> 0.23-0.34 ms. Through the op, 2 threads, against torch's best in the same
   // rounds (geometric mean of 3 runs): N = K = 1M 1.12x -> 1.43x, N = 100k K = 1M (runs of 10)
   // 1.13x -> 1.32x, N = 1M K = 100k 2.62x -> 3.36x.
+  // a + b, whose NaN is a's when both are NaN (x86 keeps the first source's), as the scalar walks
+  // add acc + x: pinned by asm, where the compiler may swap a commutative add's operands (the
+  // sign of a float16 NaN survives rounding, and would then depend on which walk took the entry).
+  static __m512 add_first(__m512 a, __m512 b) {
+    __m512 r;
+    __asm__("vaddps %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+    return r;
+  }
   template <class I, bool Weighted>
   static int64_t add_run_blocks(const I* idx, T* out, int64_t os, const T* src, const A* w, int64_t i, int64_t i1,
                                 bool has_ignore, int64_t ign, A& acc, int64_t& prev) {
@@ -566,11 +574,11 @@ struct RowKernels {
       const V v = Ops::load(src + i);
       V wv{};
       if constexpr (Weighted) wv = _mm512_loadu_ps(w + i);
-      V s = Weighted ? _mm512_fmadd_ps(v, wv, b) : _mm512_add_ps(b, v);
+      V s = Weighted ? _mm512_fmadd_ps(v, wv, b) : add_first(b, v);
       for (__mmask16 pending = static_cast<__mmask16>(~start & 0xFFFE); pending != 0;) {
         const __mmask16 ready = static_cast<__mmask16>(pending & ~(pending << 1));
         const V below = _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(s), _mm512_castps_si512(s), 15));
-        s = _mm512_mask_mov_ps(s, ready, Weighted ? _mm512_fmadd_ps(v, wv, below) : _mm512_add_ps(below, v));
+        s = _mm512_mask_mov_ps(s, ready, Weighted ? _mm512_fmadd_ps(v, wv, below) : add_first(below, v));
         pending = static_cast<__mmask16>(pending & ~ready);
       }
       Ops::store(rounded, s);

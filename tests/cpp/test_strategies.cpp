@@ -913,7 +913,10 @@ TEST(Strategies, SortedIndexWithIgnoredEndsGivesTheContractBits) {
 // A sorted index over one-column bf16/fp16 rows is walked 16 entries at a time where the AVX-512
 // kernels run: runs of 1 to 40 entries (inside a block, across blocks, longer than one), an
 // ignored row in the middle (its blocks walked one entry at a time), an int64 ignore_index past
-// the int32 range at the end, weights or none, on 1 to 3 threads, against the reference.
+// the int32 range at the end, weights or none, on 1 to 3 threads (K of about 40k: two and three
+// threads split it), against the reference. Then NaNs of both signs in out and src: float16
+// keeps a NaN's sign, which must not depend on the walk, so every thread count, the walk one
+// entry at a time (a src stride of 2) and the count strategy must give the same bytes.
 TEST(Strategies, SortedOneColumnRunsInBlocksGiveTheContractBits) {
   uint64_t seed = 700;
   for (DType t : {DType::bf16, DType::f16})
@@ -921,7 +924,7 @@ TEST(Strategies, SortedOneColumnRunsInBlocksGiveTheContractBits) {
       for (bool weighted : {false, true})
         for (int ig = 0; ig < 3; ++ig) {
           std::mt19937_64 rng(seed++);
-          const int64_t n = 3000;
+          const int64_t n = 12000;
           std::vector<int64_t> iv;
           for (int64_t r = 0; r < n; r += 1 + static_cast<int64_t>(rng() % 3)) {
             const int64_t len = rng() % 4 == 0 ? 1 + static_cast<int64_t>(rng() % 40) : 1 + static_cast<int64_t>(rng() % 3);
@@ -934,26 +937,54 @@ TEST(Strategies, SortedOneColumnRunsInBlocksGiveTheContractBits) {
             iv.insert(iv.end(), 37, *ignore);
           }
           const int64_t k = static_cast<int64_t>(iv.size());
+          ASSERT_GE(k, 30000);
           const Idx idx = make_idx(it, iv);
-          const Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
-          const Buf src = special_buf(t, static_cast<size_t>(k), rng);
+          Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
+          Buf src = special_buf(t, static_cast<size_t>(k), rng);
           const std::vector<float> w = special_weights(k, rng);
+          const float* wp = weighted ? w.data() : nullptr;
           Buf want = out0;
-          reference_add(want, n, 1, 1, src, 1, iv, weighted ? w.data() : nullptr, ignore);
-          for (int threads : {1, 2, 3}) {
-            Buf out = out0;
+          reference_add(want, n, 1, 1, src, 1, iv, wp, ignore);
+          auto walk = [&](const Buf& o0, const Buf& s0, int threads, sa::Strategy st) {
+            Buf out = o0;
             sa::Options opt;
-            opt.strategy = sa::Strategy::direct;
+            opt.strategy = st;
             opt.num_threads = threads;
             opt.ignore_index = ignore;
-            sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(src, k, 1, 1),
-                               {weighted ? w.data() : nullptr, k, DType::f32}, opt);
+            sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(s0, k, 1, 1), {wp, k, DType::f32}, opt);
+            return out;
+          };
+          for (int threads : {1, 2, 3}) {
+            const Buf out = walk(out0, src, threads, sa::Strategy::direct);
             size_t e = 0;
             while (e < out.size() && out.get(e) == want.get(e)) ++e;
             ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64")
                                              << (weighted ? " weighted" : "") << " ignore=" << ig << " threads=" << threads
                                              << " isa=" << sa::isa_name(sa::active_isa()) << ": row " << e;
           }
+          // NaNs of both signs in one in eight elements of out and src.
+          const uint16_t qnan = t == DType::bf16 ? 0x7FC0 : 0x7E00;
+          uint16_t* o16 = reinterpret_cast<uint16_t*>(out0.data());
+          uint16_t* s16 = reinterpret_cast<uint16_t*>(src.data());
+          for (int64_t r = 0; r < n; ++r)
+            if (rng() % 8 == 0) o16[r] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
+          for (int64_t i = 0; i < k; ++i)
+            if (rng() % 8 == 0) s16[i] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
+          Buf strided(t, static_cast<size_t>(2 * k));  // the same sources two elements apart
+          for (int64_t i = 0; i < k; ++i) reinterpret_cast<uint16_t*>(strided.data())[2 * i] = s16[i];
+          Buf one_at_a_time = out0;
+          {
+            sa::Options opt;
+            opt.strategy = sa::Strategy::direct;
+            opt.num_threads = 1;
+            opt.ignore_index = ignore;
+            sa::index_add_rows(mat(one_at_a_time, n, 1, 1), idx.view(), cmat(strided, k, 1, 2), {wp, k, DType::f32}, opt);
+          }
+          for (sa::Strategy st : {sa::Strategy::direct, sa::Strategy::count})
+            for (int threads : {1, 2, 3})
+              ASSERT_EQ(walk(out0, src, threads, st).bytes, one_at_a_time.bytes)
+                  << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64") << (weighted ? " weighted" : "")
+                  << " ignore=" << ig << " NaNs, strategy=" << sa::strategy_name(st) << " threads=" << threads;
         }
 }
 
