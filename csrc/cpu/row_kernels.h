@@ -518,6 +518,15 @@ struct RowKernels {
   }
 
 #if defined(__AVX512F__)
+  // a + b, whose NaN is a's when both are NaN (x86 keeps the first source's), as the scalar walks
+  // add acc + x: pinned by asm, where the compiler may swap a commutative add's operands (the
+  // sign of a float16 NaN survives rounding, and would then depend on which walk took the entry).
+  static __m512 add_first(__m512 a, __m512 b) {
+    __m512 r;
+    __asm__("vaddps %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
+    return r;
+  }
+
   // add_runs' walk of one-element bf16/fp16 rows (out and src: the column, src contiguous), 16
   // entries at a time from i while 16 remain: the same sums in the same order, each row's run
   // summed lane after lane from its row's value (or from acc, the sum carried in from the entries
@@ -531,14 +540,6 @@ struct RowKernels {
   // K = 100k 0.53-0.62 -> 0.23-0.34 ms. Through the op, 2 threads, against torch's best in the same
   // rounds (geometric mean of 3 runs): N = K = 1M 1.12x -> 1.43x, N = 100k K = 1M (runs of 10)
   // 1.13x -> 1.32x, N = 1M K = 100k 2.62x -> 3.36x.
-  // a + b, whose NaN is a's when both are NaN (x86 keeps the first source's), as the scalar walks
-  // add acc + x: pinned by asm, where the compiler may swap a commutative add's operands (the
-  // sign of a float16 NaN survives rounding, and would then depend on which walk took the entry).
-  static __m512 add_first(__m512 a, __m512 b) {
-    __m512 r;
-    __asm__("vaddps %2, %1, %0" : "=v"(r) : "v"(a), "v"(b));
-    return r;
-  }
   template <class I, bool Weighted>
   static int64_t add_run_blocks(const I* idx, T* out, int64_t os, const T* src, const A* w, int64_t i, int64_t i1,
                                 bool has_ignore, int64_t ign, A& acc, int64_t& prev) {
