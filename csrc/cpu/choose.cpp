@@ -278,6 +278,24 @@ bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, doub
   return touched_slots_fit(n, k, d, split_columns) && load >= P::kTouchedMinLoad;
 }
 
+bool runs_are_long(const IndexVector& index) {
+  const int64_t k = index.size;
+  auto value = [&](int64_t i) {
+    return index.type == IndexType::i64 ? static_cast<const int64_t*>(index.data)[i]
+                                        : static_cast<int64_t>(static_cast<const int32_t*>(index.data)[i]);
+  };
+  // A run ends where a neighbour differs: the share of sampled pairs that do not gives the mean
+  // run length.
+  const int64_t step = std::max<int64_t>(1, (k - 1) / P::kRunSamples);
+  int64_t same = 0, probes = 0;
+  for (int64_t j = 0; j * step + 1 < k; ++j, ++probes) {
+    const uint64_t spread = (static_cast<uint64_t>(j) * 0x9E3779B97F4A7C15ull) >> 33;
+    const int64_t i = std::min(k - 2, j * step + static_cast<int64_t>(spread % static_cast<uint64_t>(step)));
+    same += value(i) == value(i + 1);
+  }
+  return probes > 0 && same * P::kLongRunSameDen >= probes * P::kLongRunSameNum;
+}
+
 double sampled_load(const IndexVector& index, int64_t n, std::optional<int64_t> ignore) {
   const int64_t k = index.size;
   const double lambda = static_cast<double>(k) / static_cast<double>(std::max<int64_t>(n, 1));

@@ -159,11 +159,7 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   auto value = [&](int64_t i) {
     return i64 ? static_cast<const int64_t*>(index.data)[i] : static_cast<const int32_t*>(index.data)[i];
   };
-  // Mean run length from a sample of neighbours: a run ends where a neighbour differs.
-  int64_t same = 0, probes = 0;
-  const int64_t step = std::max<int64_t>(1, (k - 1) / CpuPolicy::kRunSamples);
-  for (int64_t i = 0; i + 1 < k; i += step, ++probes) same += value(i) == value(i + 1);
-  job.long_runs = same * CpuPolicy::kLongRunSameDen >= probes * CpuPolicy::kLongRunSameNum;
+  job.long_runs = runs_are_long(index);
   auto run_start = [&](int64_t i) {  // the first source of the run holding entry i (i <= k)
     while (i > 0 && i < k && value(i) == value(i - 1)) ++i;
     return i;

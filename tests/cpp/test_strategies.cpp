@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <vector>
 
@@ -986,6 +987,35 @@ TEST(Strategies, SortedOneColumnRunsInBlocksGiveTheContractBits) {
                   << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64") << (weighted ? " weighted" : "")
                   << " ignore=" << ig << " NaNs, strategy=" << sa::strategy_name(st) << " threads=" << threads;
         }
+}
+
+// A sorted index's runs are judged long or short from sampled neighbour pairs. Runs of one fixed
+// length that divides the sampling stride must not be read as one long run (every pair sampled at
+// the same place in its run), nor long runs as short, in int32 and int64 indices.
+TEST(Strategies, LongRunsAreJudgedWhateverTheRunLength) {
+  const int64_t s = sa::cpu::CpuPolicy::kRunSamples;
+  for (IndexType it : kItypes) {
+    for (int64_t len : {2, 3, 4, 5, 8, 12, 16})
+      for (int64_t m : {1, 3}) {
+        const int64_t k = s * len * m + 1;  // a stride of len * m entries
+        std::vector<int64_t> iv(static_cast<size_t>(k));
+        for (int64_t i = 0; i < k; ++i) iv[static_cast<size_t>(i)] = i / len;
+        EXPECT_FALSE(sa::cpu::runs_are_long(make_idx(it, iv).view())) << "runs of " << len << ", K=" << k;
+      }
+    for (int64_t len : {40, 64, 100}) {
+      const int64_t k = s * len + 1;
+      std::vector<int64_t> iv(static_cast<size_t>(k));
+      for (int64_t i = 0; i < k; ++i) iv[static_cast<size_t>(i)] = i / len;
+      EXPECT_TRUE(sa::cpu::runs_are_long(make_idx(it, iv).view())) << "runs of " << len << ", K=" << k;
+    }
+    std::mt19937_64 rng(41);
+    for (auto [lo, hi, want] : {std::tuple<int64_t, int64_t, bool>{1, 9, false}, {30, 50, true}}) {
+      std::vector<int64_t> iv;
+      for (int64_t r = 0; iv.size() < 200000; ++r)
+        iv.insert(iv.end(), static_cast<size_t>(lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1))), r);
+      EXPECT_EQ(sa::cpu::runs_are_long(make_idx(it, iv).view()), want) << "runs of " << lo << " to " << hi;
+    }
+  }
 }
 
 TEST(Strategies, PlanMethodsGiveTheSamePlan) {
