@@ -278,7 +278,7 @@ bool touched_slots_pay(int64_t n, int64_t k, int64_t d, bool split_columns, doub
   return touched_slots_fit(n, k, d, split_columns) && load >= P::kTouchedMinLoad;
 }
 
-bool runs_are_long(const IndexVector& index) {
+bool runs_are_long(const IndexVector& index, int64_t min_mean) {
   const int64_t k = index.size;
   auto value = [&](int64_t i) {
     return index.type == IndexType::i64 ? static_cast<const int64_t*>(index.data)[i]
@@ -293,7 +293,8 @@ bool runs_are_long(const IndexVector& index) {
     const int64_t i = std::min(k - 2, j * step + static_cast<int64_t>(spread % static_cast<uint64_t>(step)));
     same += value(i) == value(i + 1);
   }
-  return probes > 0 && same * P::kLongRunSameDen >= probes * P::kLongRunSameNum;
+  // A mean length of L or more: at least (L - 1) / L of the pairs inside a run.
+  return probes > 0 && same * min_mean >= probes * (min_mean - 1);
 }
 
 double sampled_load(const IndexVector& index, int64_t n, std::optional<int64_t> ignore) {

@@ -450,12 +450,22 @@ struct CpuPolicy {
   // (at most kMaxBlocks blocks) to cut the rows into shares of equal work.
   static constexpr int64_t kMaxBlocks = 4096;
   static constexpr int64_t kBalanceSamples = 16384;
-  // Sorted index, one column at a time: runs are summed run by run (a branch per run) when at
-  // least Num/Den of kRunSamples sampled neighbours share their row (mean run length 20 or more:
-  // a run costs about two mispredicted branches);
-  // shorter runs go through a loop with no branch per run.
+  // Sorted index, one column at a time: runs are summed run by run (a branch per run, about two
+  // mispredicted branches a run) when kRunSamples sampled neighbour pairs give a mean run length of
+  // at least kLongRun*; shorter runs take a walk with no branch per run. That walk costs more for
+  // bf16/fp16 (a dependent chain per entry, or for one contiguous column on AVX-512 one pass per
+  // entry of a 16-entry block's longest run) than for float32/float64 (each entry a read-modify-
+  // write of its row, no chain across rows). Xeon with AMX, C++, one column, K = 1M sorted, random
+  // run lengths of mean L, time run by run / without a branch per run (medians of 7 alternated
+  // rounds of 11 calls, one thread unless said): float32 AVX-512 L = 12 1.04-1.10x, 14 1.01x,
+  // 16 0.86-0.87x (two threads 1.08x, 0.97x, 0.88x; AVX2 and scalar L = 12 1.08x, 16 0.90x), so
+  // 14; bf16 AVX-512 L = 4 1.16-1.19x, 5 0.98-1.02x, 6 0.83-0.84x (two threads L = 5 1.05x,
+  // 6 0.94x; AVX2 L = 3 0.99x, 4 0.83x; scalar 3 0.94x), fp16 AVX-512 L = 4 1.22-1.23x,
+  // 5 0.88-0.90x, 6 0.76x (two threads L = 5 1.04x, 6 0.93x; AVX2 L = 3 0.96x; scalar 2 0.69x),
+  // so 5 for both.
   static constexpr int64_t kRunSamples = 256;
-  static constexpr int64_t kLongRunSameNum = 19, kLongRunSameDen = 20;
+  static constexpr int64_t kLongRunExact = 14;    // float32, float64
+  static constexpr int64_t kLongRunRounded = 5;   // bf16, fp16
 };
 
 }  // namespace cpu

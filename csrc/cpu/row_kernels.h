@@ -609,18 +609,21 @@ struct RowKernels {
     const int64_t ign = j.ignore;
     if ((W == 1 || m == 1) && j.long_runs) {
       // Long runs: each summed in a register, one branch per run (predicted when runs are long).
+      // The run's end is found in the loop that sums it: its compare runs beside the sum's chain,
+      // where a separate scan ahead of the sum cost a pass of its own.
       for (int64_t c = c0; c < c1; ++c)
         for (int64_t i = i0; i < i1;) {
           const I r = idx[i];
-          int64_t e = i + 1;
-          while (e < i1 && idx[e] == r) ++e;
-          if (!(has_ignore && static_cast<int64_t>(r) == ign)) {
-            T* o = out + static_cast<int64_t>(r) * os + c;
-            A acc = E::get(*o);
-            for (int64_t x = i; x < e; ++x) acc = step1<Weighted>(acc, E::get(src[x * ss + c]), Weighted ? w[x] : A(1));
-            *o = E::put(acc);
+          if (has_ignore && static_cast<int64_t>(r) == ign) {
+            while (++i < i1 && idx[i] == r) {}
+            continue;
           }
-          i = e;
+          T* o = out + static_cast<int64_t>(r) * os + c;
+          A acc = E::get(*o);
+          do {
+            acc = step1<Weighted>(acc, E::get(src[i * ss + c]), Weighted ? w[i] : A(1));
+          } while (++i < i1 && idx[i] == r);
+          *o = E::put(acc);
         }
       return;
     }

@@ -132,11 +132,11 @@ bool dense_scratch(int64_t n, int64_t k, int64_t d);
 double sampled_load(const IndexVector& index, int64_t n, std::optional<int64_t> ignore);
 // Which sort a plan of k entries into n rows uses by cost.
 bool plan_prefers_radix(int64_t n, int64_t k);
-// For a sorted index: whether its runs are long (mean length about 20 or more, policy.h's
-// kLongRunSameNum / kLongRunSameDen), from kRunSamples neighbour pairs, one at a scattered offset
+// For a sorted index: whether the mean length of its runs is min_mean or more (policy.h's
+// kLongRunExact or kLongRunRounded), from kRunSamples neighbour pairs, one at a scattered offset
 // in each of kRunSamples equal stretches (a fixed stride would meet runs of a length that divides
 // it at the same place in every run).
-bool runs_are_long(const IndexVector& index);
+bool runs_are_long(const IndexVector& index, int64_t min_mean);
 
 // out[index[i]] += w[i] * src[i] without a plan (strategy_direct.cpp), after `scan` validated
 // the index (and found whether it is sorted). w is in the accumulator type (weights_as_acc) or

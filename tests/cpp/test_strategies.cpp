@@ -911,109 +911,121 @@ TEST(Strategies, SortedIndexWithIgnoredEndsGivesTheContractBits) {
       }
 }
 
-// A sorted index over one-column bf16/fp16 rows is walked 16 entries at a time where the AVX-512
-// kernels run: runs of 1 to 40 entries (inside a block, across blocks, longer than one), an
-// ignored row in the middle (its blocks walked one entry at a time), an int64 ignore_index past
-// the int32 range at the end, weights or none, on 1 to 3 threads (K of about 40k: two and three
-// threads split it), against the reference. Then NaNs of both signs in out and src: float16
-// keeps a NaN's sign, which must not depend on the walk, so every thread count, the walk one
-// entry at a time (a src stride of 2) and the count strategy must give the same bytes.
-TEST(Strategies, SortedOneColumnRunsInBlocksGiveTheContractBits) {
+// A sorted index over one-column bf16/fp16 rows: runs short on average are walked 16 entries at a
+// time where the AVX-512 kernels run, long ones run by run; each mix holds runs of 1 to 40
+// entries (inside a block, across blocks, longer than one), and the test checks that the policy
+// reads each mix as meant. An ignored row in the middle (its blocks walked one entry at a time),
+// an int64 ignore_index past the int32 range at the end, weights or none, on 1 to 3 threads (K of
+// about 40k: two and three threads split it), against the reference. Then NaNs of both signs in
+// out and src: float16 keeps a NaN's sign, which must not depend on the walk, so every thread
+// count, the walk one entry at a time (a src stride of 2) and the count strategy must give the
+// same bytes.
+TEST(Strategies, SortedOneColumnRunsGiveTheContractBits) {
   uint64_t seed = 700;
-  for (DType t : {DType::bf16, DType::f16})
-    for (IndexType it : kItypes)
-      for (bool weighted : {false, true})
-        for (int ig = 0; ig < 3; ++ig) {
-          std::mt19937_64 rng(seed++);
-          const int64_t n = 12000;
-          std::vector<int64_t> iv;
-          for (int64_t r = 0; r < n; r += 1 + static_cast<int64_t>(rng() % 3)) {
-            const int64_t len = rng() % 4 == 0 ? 1 + static_cast<int64_t>(rng() % 40) : 1 + static_cast<int64_t>(rng() % 3);
-            iv.insert(iv.end(), static_cast<size_t>(len), r);
+  for (bool long_mix : {false, true})
+    for (DType t : {DType::bf16, DType::f16})
+      for (IndexType it : kItypes)
+        for (bool weighted : {false, true})
+          for (int ig = 0; ig < 3; ++ig) {
+            std::mt19937_64 rng(seed++);
+            // Mean run lengths of about 3.4 and 11 (one run in 10 or in 2 of 1 to 40 entries).
+            const int64_t n = long_mix ? 8000 : 24000;
+            std::vector<int64_t> iv;
+            for (int64_t r = 0; r < n; r += 1 + static_cast<int64_t>(rng() % 3)) {
+              const int64_t len = rng() % (long_mix ? 2 : 10) == 0 ? 1 + static_cast<int64_t>(rng() % 40)
+                                                                   : 1 + static_cast<int64_t>(rng() % (long_mix ? 3 : 2));
+              iv.insert(iv.end(), static_cast<size_t>(len), r);
+            }
+            std::optional<int64_t> ignore;
+            if (ig == 1) ignore = iv[iv.size() / 2];  // a row in the middle, skipped
+            if (ig == 2 && it == IndexType::i64) {
+              ignore = int64_t(1) << 40;
+              iv.insert(iv.end(), 37, *ignore);
+            }
+            const int64_t k = static_cast<int64_t>(iv.size());
+            ASSERT_GE(k, 30000);
+            const Idx idx = make_idx(it, iv);
+            ASSERT_EQ(sa::cpu::runs_are_long(idx.view(), sa::cpu::CpuPolicy::kLongRunRounded), long_mix);
+            Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
+            Buf src = special_buf(t, static_cast<size_t>(k), rng);
+            const std::vector<float> w = special_weights(k, rng);
+            const float* wp = weighted ? w.data() : nullptr;
+            Buf want = out0;
+            reference_add(want, n, 1, 1, src, 1, iv, wp, ignore);
+            auto walk = [&](const Buf& o0, const Buf& s0, int threads, sa::Strategy st) {
+              Buf out = o0;
+              sa::Options opt;
+              opt.strategy = st;
+              opt.num_threads = threads;
+              opt.ignore_index = ignore;
+              sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(s0, k, 1, 1), {wp, k, DType::f32}, opt);
+              return out;
+            };
+            for (int threads : {1, 2, 3}) {
+              const Buf out = walk(out0, src, threads, sa::Strategy::direct);
+              size_t e = 0;
+              while (e < out.size() && out.get(e) == want.get(e)) ++e;
+              ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64")
+                                               << (weighted ? " weighted" : "") << " ignore=" << ig << " threads=" << threads
+                                               << " isa=" << sa::isa_name(sa::active_isa()) << ": row " << e;
+            }
+            // NaNs of both signs in one in eight elements of out and src.
+            const uint16_t qnan = t == DType::bf16 ? 0x7FC0 : 0x7E00;
+            uint16_t* o16 = reinterpret_cast<uint16_t*>(out0.data());
+            uint16_t* s16 = reinterpret_cast<uint16_t*>(src.data());
+            for (int64_t r = 0; r < n; ++r)
+              if (rng() % 8 == 0) o16[r] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
+            for (int64_t i = 0; i < k; ++i)
+              if (rng() % 8 == 0) s16[i] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
+            Buf strided(t, static_cast<size_t>(2 * k));  // the same sources two elements apart
+            for (int64_t i = 0; i < k; ++i) reinterpret_cast<uint16_t*>(strided.data())[2 * i] = s16[i];
+            Buf one_at_a_time = out0;
+            {
+              sa::Options opt;
+              opt.strategy = sa::Strategy::direct;
+              opt.num_threads = 1;
+              opt.ignore_index = ignore;
+              sa::index_add_rows(mat(one_at_a_time, n, 1, 1), idx.view(), cmat(strided, k, 1, 2), {wp, k, DType::f32}, opt);
+            }
+            for (sa::Strategy st : {sa::Strategy::direct, sa::Strategy::count})
+              for (int threads : {1, 2, 3})
+                ASSERT_EQ(walk(out0, src, threads, st).bytes, one_at_a_time.bytes)
+                    << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64") << (weighted ? " weighted" : "")
+                    << " ignore=" << ig << " NaNs, strategy=" << sa::strategy_name(st) << " threads=" << threads;
           }
-          std::optional<int64_t> ignore;
-          if (ig == 1) ignore = iv[iv.size() / 2];  // a row in the middle, skipped
-          if (ig == 2 && it == IndexType::i64) {
-            ignore = int64_t(1) << 40;
-            iv.insert(iv.end(), 37, *ignore);
-          }
-          const int64_t k = static_cast<int64_t>(iv.size());
-          ASSERT_GE(k, 30000);
-          const Idx idx = make_idx(it, iv);
-          Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
-          Buf src = special_buf(t, static_cast<size_t>(k), rng);
-          const std::vector<float> w = special_weights(k, rng);
-          const float* wp = weighted ? w.data() : nullptr;
-          Buf want = out0;
-          reference_add(want, n, 1, 1, src, 1, iv, wp, ignore);
-          auto walk = [&](const Buf& o0, const Buf& s0, int threads, sa::Strategy st) {
-            Buf out = o0;
-            sa::Options opt;
-            opt.strategy = st;
-            opt.num_threads = threads;
-            opt.ignore_index = ignore;
-            sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(s0, k, 1, 1), {wp, k, DType::f32}, opt);
-            return out;
-          };
-          for (int threads : {1, 2, 3}) {
-            const Buf out = walk(out0, src, threads, sa::Strategy::direct);
-            size_t e = 0;
-            while (e < out.size() && out.get(e) == want.get(e)) ++e;
-            ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64")
-                                             << (weighted ? " weighted" : "") << " ignore=" << ig << " threads=" << threads
-                                             << " isa=" << sa::isa_name(sa::active_isa()) << ": row " << e;
-          }
-          // NaNs of both signs in one in eight elements of out and src.
-          const uint16_t qnan = t == DType::bf16 ? 0x7FC0 : 0x7E00;
-          uint16_t* o16 = reinterpret_cast<uint16_t*>(out0.data());
-          uint16_t* s16 = reinterpret_cast<uint16_t*>(src.data());
-          for (int64_t r = 0; r < n; ++r)
-            if (rng() % 8 == 0) o16[r] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
-          for (int64_t i = 0; i < k; ++i)
-            if (rng() % 8 == 0) s16[i] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
-          Buf strided(t, static_cast<size_t>(2 * k));  // the same sources two elements apart
-          for (int64_t i = 0; i < k; ++i) reinterpret_cast<uint16_t*>(strided.data())[2 * i] = s16[i];
-          Buf one_at_a_time = out0;
-          {
-            sa::Options opt;
-            opt.strategy = sa::Strategy::direct;
-            opt.num_threads = 1;
-            opt.ignore_index = ignore;
-            sa::index_add_rows(mat(one_at_a_time, n, 1, 1), idx.view(), cmat(strided, k, 1, 2), {wp, k, DType::f32}, opt);
-          }
-          for (sa::Strategy st : {sa::Strategy::direct, sa::Strategy::count})
-            for (int threads : {1, 2, 3})
-              ASSERT_EQ(walk(out0, src, threads, st).bytes, one_at_a_time.bytes)
-                  << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64") << (weighted ? " weighted" : "")
-                  << " ignore=" << ig << " NaNs, strategy=" << sa::strategy_name(st) << " threads=" << threads;
-        }
 }
 
-// A sorted index's runs are judged long or short from sampled neighbour pairs. Runs of one fixed
-// length that divides the sampling stride must not be read as one long run (every pair sampled at
-// the same place in its run), nor long runs as short, in int32 and int64 indices.
+// A sorted index's runs are judged long or short, against each threshold the policy uses, from
+// sampled neighbour pairs. Runs of one fixed length that divides the sampling stride must not be
+// read as one long run (every pair sampled at the same place in its run), nor long runs as short,
+// in int32 and int64 indices. Lengths of at most half a threshold must read as short and of at
+// least three times one as long.
 TEST(Strategies, LongRunsAreJudgedWhateverTheRunLength) {
-  const int64_t s = sa::cpu::CpuPolicy::kRunSamples;
-  for (IndexType it : kItypes) {
-    for (int64_t len : {2, 3, 4, 5, 8, 12, 16})
-      for (int64_t m : {1, 3}) {
-        const int64_t k = s * len * m + 1;  // a stride of len * m entries
-        std::vector<int64_t> iv(static_cast<size_t>(k));
-        for (int64_t i = 0; i < k; ++i) iv[static_cast<size_t>(i)] = i / len;
-        EXPECT_FALSE(sa::cpu::runs_are_long(make_idx(it, iv).view())) << "runs of " << len << ", K=" << k;
+  using P = sa::cpu::CpuPolicy;
+  const int64_t s = P::kRunSamples;
+  auto periodic = [&](IndexType it, int64_t len, int64_t m) {
+    const int64_t k = s * len * m + 1;  // a stride of len * m entries
+    std::vector<int64_t> iv(static_cast<size_t>(k));
+    for (int64_t i = 0; i < k; ++i) iv[static_cast<size_t>(i)] = i / len;
+    return make_idx(it, iv);
+  };
+  for (int64_t least : {P::kLongRunRounded, P::kLongRunExact}) {
+    ASSERT_GE(least, 4);
+    for (IndexType it : kItypes) {
+      for (int64_t len : {2, 3, 4, 5, 8, 10, 12, 16, 40, 64, 100}) {
+        if (2 * len > least && len < 3 * least) continue;
+        for (int64_t m : {1, 3})
+          EXPECT_EQ(sa::cpu::runs_are_long(periodic(it, len, m).view(), least), len >= 3 * least)
+              << "runs of " << len << ", stride " << len * m << ", threshold " << least;
       }
-    for (int64_t len : {40, 64, 100}) {
-      const int64_t k = s * len + 1;
-      std::vector<int64_t> iv(static_cast<size_t>(k));
-      for (int64_t i = 0; i < k; ++i) iv[static_cast<size_t>(i)] = i / len;
-      EXPECT_TRUE(sa::cpu::runs_are_long(make_idx(it, iv).view())) << "runs of " << len << ", K=" << k;
-    }
-    std::mt19937_64 rng(41);
-    for (auto [lo, hi, want] : {std::tuple<int64_t, int64_t, bool>{1, 9, false}, {30, 50, true}}) {
-      std::vector<int64_t> iv;
-      for (int64_t r = 0; iv.size() < 200000; ++r)
-        iv.insert(iv.end(), static_cast<size_t>(lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1))), r);
-      EXPECT_EQ(sa::cpu::runs_are_long(make_idx(it, iv).view()), want) << "runs of " << lo << " to " << hi;
+      std::mt19937_64 rng(41);
+      for (auto [lo, hi] : {std::pair<int64_t, int64_t>{1, least - 1}, {2 * least, 4 * least}}) {
+        std::vector<int64_t> iv;
+        for (int64_t r = 0; iv.size() < 200000; ++r)
+          iv.insert(iv.end(), static_cast<size_t>(lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1))), r);
+        EXPECT_EQ(sa::cpu::runs_are_long(make_idx(it, iv).view(), least), lo > least)
+            << "runs of " << lo << " to " << hi << ", threshold " << least;
+      }
     }
   }
 }
