@@ -159,7 +159,8 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   auto value = [&](int64_t i) {
     return i64 ? static_cast<const int64_t*>(index.data)[i] : static_cast<const int32_t*>(index.data)[i];
   };
-  job.long_runs = runs_are_long(index, dtype_size(out.dtype) == 2 ? CpuPolicy::kLongRunRounded : CpuPolicy::kLongRunExact);
+  job.long_runs =
+      runs_are_long(index, dtype_size(out.dtype) == 2 ? CpuPolicy::kLongRunRounded : CpuPolicy::kLongRunExact);
   auto run_start = [&](int64_t i) {  // the first source of the run holding entry i (i <= k)
     while (i > 0 && i < k && value(i) == value(i - 1)) ++i;
     return i;

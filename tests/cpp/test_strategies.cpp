@@ -911,15 +911,52 @@ TEST(Strategies, SortedIndexWithIgnoredEndsGivesTheContractBits) {
       }
 }
 
+// An ignore_index outside the int32 range names no entry of an int32 index, even one equal to a
+// row modulo 2^32 (the compare is made in int64): sorted runs of 1, 2 and 40 (both walks of a
+// sorted index) and a shuffled index, rows of 1 and 4 columns, every strategy, 1 and 2 threads.
+TEST(Strategies, IgnoreIndexPastInt32NamesNoRowOfAnInt32Index) {
+  uint64_t seed = 900;
+  for (DType t : kDtypes)
+    for (int64_t len : {1, 2, 40, 0})  // 0: runs of 1 to 3, shuffled
+      for (int64_t d : {1, 4}) {
+        std::mt19937_64 rng(seed++);
+        const int64_t n = 300;
+        std::vector<int64_t> iv;
+        for (int64_t r = 0; r < n; ++r)
+          iv.insert(iv.end(), static_cast<size_t>(len > 0 ? len : 1 + static_cast<int64_t>(rng() % 3)), r);
+        if (len == 0) std::shuffle(iv.begin(), iv.end(), rng);
+        const int64_t k = static_cast<int64_t>(iv.size());
+        const Idx idx = make_idx(IndexType::i32, iv);
+        const Buf out0 = random_buf(t, static_cast<size_t>(n * d), rng);
+        const Buf src = random_buf(t, static_cast<size_t>(k * d), rng);
+        Buf want = out0;
+        reference_add(want, n, d, d, src, d, iv, nullptr, std::nullopt);
+        for (int64_t ign : {(int64_t(1) << 32) + 5, int64_t(5) - (int64_t(1) << 32), int64_t(1) << 32})
+          for (sa::Strategy st : kStrategies)
+            for (int threads : {1, 2}) {
+              Buf out = out0;
+              sa::Options opt;
+              opt.strategy = st;
+              opt.num_threads = threads;
+              opt.ignore_index = ign;
+              sa::index_add_rows(mat(out, n, d, d), idx.view(), cmat(src, k, d, d), {}, opt);
+              ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << " runs of " << len << " d=" << d
+                                               << " ignore=" << ign << " strategy=" << sa::strategy_name(st)
+                                               << " threads=" << threads;
+            }
+      }
+}
+
 // A sorted index over one-column bf16/fp16 rows: runs short on average are walked 16 entries at a
 // time where the AVX-512 kernels run, long ones run by run; each mix holds runs of 1 to 40
 // entries (inside a block, across blocks, longer than one), and the test checks that the policy
 // reads each mix as meant. An ignored row in the middle (its blocks walked one entry at a time),
 // an int64 ignore_index past the int32 range at the end, weights or none, on 1 to 3 threads (K of
 // about 40k: two and three threads split it), against the reference. Then NaNs of both signs in
-// out and src: float16 keeps a NaN's sign, which must not depend on the walk, so every thread
-// count, the walk one entry at a time (a src stride of 2) and the count strategy must give the
-// same bytes.
+// out and src: the contract leaves a NaN's sign free, but these walks keep the running sum's NaN
+// where two meet, as the one-entry-at-a-time walk does, so that the sign of a float16 result does
+// not depend on the thread count: every thread count, the walk one entry at a time (a src stride
+// of 2) and the count strategy must give the same bytes here.
 TEST(Strategies, SortedOneColumnRunsGiveTheContractBits) {
   uint64_t seed = 700;
   for (bool long_mix : {false, true})
