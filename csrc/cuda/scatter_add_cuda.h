@@ -13,10 +13,11 @@
 // Results. Every output element is summed by one thread: out's value, then the contributions in
 // increasing source order, each fma(w, s, acc) (acc + s unweighted) in float32 (float64 for f64),
 // rounded once to the storage type, subnormals kept. That is the CPU core's arithmetic, so the
-// output is bitwise the CPU op's for finite inputs (NaN payloads may differ), on every run, and a
-// row's bits depend only on its own contributions. A row with many contributions (a hot row) is
-// still one sequential sum per element: its columns are shared among more warps, but each column
-// takes one dependent FMA per contribution, so very hot rows at small D are latency-bound.
+// output is bitwise the CPU op's for finite inputs (a NaN's payload and sign may differ), on every
+// run, and a row's bits depend only on its own contributions. A row with many contributions (a
+// hot row) is still one sequential sum per element: its columns are shared among more warps, but
+// each column takes one dependent FMA per contribution, so very hot rows at small D are
+// latency-bound.
 // Weights are float32 (float64 for f64 data). Limits: N < 2^31 rows, K < 2^31 indices.
 //
 // Bad index values. Every value is checked on the device; the writing kernels do nothing when one

@@ -13,8 +13,8 @@
 // Summation contract (the same bits whatever runs): each output element starts from out's value,
 // adds its contributions in increasing source order as fma(w, s, acc) (acc + s unweighted) in
 // float32 (float64 for f64), and is rounded once to the storage type, round-to-nearest-even,
-// keeping subnormals. Every CPU strategy, ISA level and thread count gives these bits (NaN payloads
-// may differ).
+// keeping subnormals. Every CPU strategy, ISA level and thread count gives these bits (a NaN's
+// payload and sign may differ: where two NaNs meet, which one an add keeps depends on the walk).
 //
 // Strategies (CPU): index_add_rows picks one by a cost model (csrc/cpu/policy.h); any one can be
 // forced with Options::strategy, set_strategy() or SCATTER_ADD_CPU_STRATEGY, for tests and
