@@ -965,10 +965,13 @@ TEST(Strategies, SortedOneColumnRunsGiveTheContractBits) {
         for (bool weighted : {false, true})
           for (int ig = 0; ig < 3; ++ig) {
             std::mt19937_64 rng(seed++);
-            // Mean run lengths of about 3.4 and 11 (one run in 10 or in 2 of 1 to 40 entries).
-            const int64_t n = long_mix ? 8000 : 24000;
+            // Mean run lengths of about 3.4 and 11 (one run in 10 or in 2 of 1 to 40 entries); rows
+            // 1 to 3 apart, one step in 16 of 30 to 90 (blocks of 16 entries whose rows span more
+            // than 32, and fewer); out's rows 1 or 3 elements apart.
+            const int64_t n = long_mix ? 20000 : 60000, os = (ig + weighted) % 2 == 0 ? 1 : 3;
             std::vector<int64_t> iv;
-            for (int64_t r = 0; r < n; r += 1 + static_cast<int64_t>(rng() % 3)) {
+            for (int64_t r = 0; r < n;
+                 r += rng() % 16 == 0 ? 30 + static_cast<int64_t>(rng() % 61) : 1 + static_cast<int64_t>(rng() % 3)) {
               const int64_t len = rng() % (long_mix ? 2 : 10) == 0 ? 1 + static_cast<int64_t>(rng() % 40)
                                                                    : 1 + static_cast<int64_t>(rng() % (long_mix ? 3 : 2));
               iv.insert(iv.end(), static_cast<size_t>(len), r);
@@ -983,19 +986,19 @@ TEST(Strategies, SortedOneColumnRunsGiveTheContractBits) {
             ASSERT_GE(k, 30000);
             const Idx idx = make_idx(it, iv);
             ASSERT_EQ(sa::cpu::runs_are_long(idx.view(), sa::cpu::CpuPolicy::kLongRunRounded), long_mix);
-            Buf out0 = special_buf(t, static_cast<size_t>(n), rng);
+            Buf out0 = special_buf(t, static_cast<size_t>(n * os), rng);
             Buf src = special_buf(t, static_cast<size_t>(k), rng);
             const std::vector<float> w = special_weights(k, rng);
             const float* wp = weighted ? w.data() : nullptr;
             Buf want = out0;
-            reference_add(want, n, 1, 1, src, 1, iv, wp, ignore);
+            reference_add(want, n, 1, os, src, 1, iv, wp, ignore);
             auto walk = [&](const Buf& o0, const Buf& s0, int threads, sa::Strategy st) {
               Buf out = o0;
               sa::Options opt;
               opt.strategy = st;
               opt.num_threads = threads;
               opt.ignore_index = ignore;
-              sa::index_add_rows(mat(out, n, 1, 1), idx.view(), cmat(s0, k, 1, 1), {wp, k, DType::f32}, opt);
+              sa::index_add_rows(mat(out, n, 1, os), idx.view(), cmat(s0, k, 1, 1), {wp, k, DType::f32}, opt);
               return out;
             };
             for (int threads : {1, 2, 3}) {
@@ -1003,7 +1006,8 @@ TEST(Strategies, SortedOneColumnRunsGiveTheContractBits) {
               size_t e = 0;
               while (e < out.size() && out.get(e) == want.get(e)) ++e;
               ASSERT_EQ(out.bytes, want.bytes) << sa::dtype_name(t) << (it == IndexType::i32 ? " i32" : " i64")
-                                               << (weighted ? " weighted" : "") << " ignore=" << ig << " threads=" << threads
+                                               << (weighted ? " weighted" : "") << " ignore=" << ig << " os=" << os
+                                               << " threads=" << threads
                                                << " isa=" << sa::isa_name(sa::active_isa()) << ": row " << e;
             }
             // NaNs of both signs in one in eight elements of out and src.
@@ -1011,7 +1015,7 @@ TEST(Strategies, SortedOneColumnRunsGiveTheContractBits) {
             uint16_t* o16 = reinterpret_cast<uint16_t*>(out0.data());
             uint16_t* s16 = reinterpret_cast<uint16_t*>(src.data());
             for (int64_t r = 0; r < n; ++r)
-              if (rng() % 8 == 0) o16[r] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
+              if (rng() % 8 == 0) o16[r * os] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
             for (int64_t i = 0; i < k; ++i)
               if (rng() % 8 == 0) s16[i] = static_cast<uint16_t>(qnan | (rng() % 2 ? 0x8000 : 0));
             Buf strided(t, static_cast<size_t>(2 * k));  // the same sources two elements apart
@@ -1022,7 +1026,8 @@ TEST(Strategies, SortedOneColumnRunsGiveTheContractBits) {
               opt.strategy = sa::Strategy::direct;
               opt.num_threads = 1;
               opt.ignore_index = ignore;
-              sa::index_add_rows(mat(one_at_a_time, n, 1, 1), idx.view(), cmat(strided, k, 1, 2), {wp, k, DType::f32}, opt);
+              sa::index_add_rows(mat(one_at_a_time, n, 1, os), idx.view(), cmat(strided, k, 1, 2), {wp, k, DType::f32},
+                                 opt);
             }
             for (sa::Strategy st : {sa::Strategy::direct, sa::Strategy::count})
               for (int threads : {1, 2, 3})
