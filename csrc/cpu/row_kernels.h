@@ -538,8 +538,9 @@ struct RowKernels {
   // bf16 D = 1 sorted, one thread, direct strategy, C++ (medians of 15 calls, 6 runs alternated
   // with the walk one entry at a time): N = K = 1M (runs of 1.6) 5.0-6.2 -> 3.7-4.7 ms, N = 1M
   // K = 100k 0.53-0.62 -> 0.23-0.34 ms. Through the op, 2 threads, against torch's best in the same
-  // rounds (geometric mean of 3 runs): N = K = 1M 1.12x -> 1.43x, N = 100k K = 1M (runs of 10)
-  // 1.13x -> 1.32x, N = 1M K = 100k 2.62x -> 3.36x.
+  // rounds (geometric mean of 3 runs): N = K = 1M 1.12x -> 1.43x, N = 100k K = 1M (runs of 10,
+  // which the run-by-run walk now takes: CpuPolicy::kLongRunRounded) 1.13x -> 1.32x, N = 1M K =
+  // 100k 2.62x -> 3.36x.
   template <class I, bool Weighted>
   static int64_t add_run_blocks(const I* idx, T* out, int64_t os, const T* src, const A* w, int64_t i, int64_t i1,
                                 bool has_ignore, int64_t ign, A& acc, int64_t& prev) {
@@ -574,9 +575,11 @@ struct RowKernels {
       // load per lane. (Those 16 two-byte stores read back as one vector cost a failed store
       // forward: bf16 N = K = 1M sorted, one thread, 2.9-3.5 -> 2.4-2.5 ms.)
       const int32_t lo = rv[0], span = rv[15] - rv[0];
-      if (os == 1 && span < 32) {
+      const bool near = os == 1 && span < 32;
+      const __m512i at32 = _mm512_sub_epi32(r, _mm512_set1_epi32(lo));
+      if (near) {
         const __m512i rows = _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t(2) << span) - 1), out + lo);
-        const __m512i at = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_sub_epi32(r, _mm512_set1_epi32(lo))));
+        const __m512i at = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(at32));
         _mm256_store_si256(reinterpret_cast<__m256i*>(base),
                            _mm512_castsi512_si256(_mm512_permutexvar_epi16(at, rows)));
       } else {
@@ -594,10 +597,29 @@ struct RowKernels {
         s = _mm512_mask_mov_ps(s, ready, Weighted ? _mm512_fmadd_ps(v, wv, below) : add_first(below, v));
         pending = static_cast<__mmask16>(pending & ~ready);
       }
-      Ops::store(rounded, s);
-      for (uint32_t e = end; e != 0; e &= e - 1) {
-        const int l = __builtin_ctz(e);
-        out[static_cast<int64_t>(rv[l]) * os] = rounded[l];
+      if (near) {
+        // The run ends' rounded sums placed at their rows' offsets from lo (compress the ending
+        // lanes, expand them to the rows' positions, a half of 16 rows at a time) and written
+        // by one masked store, where a store per run end cost a loop of scalar stores: bf16 N = K
+        // = 1M sorted, one thread, 4 runs alternated, 3.0-3.7 -> 2.6-3.0 ms; float16, 2 threads,
+        // 1.9-2.0 -> 1.3-1.5 ms; runs of 3 or more, within the noise (fewer ends a block).
+        const __m512i vals = _mm512_cvtepu16_epi32(Ops::narrow(s));
+        const uint32_t rows_end = static_cast<uint32_t>(
+            _mm512_mask_reduce_or_epi32(end, _mm512_sllv_epi32(_mm512_set1_epi32(1), at32)));
+        const __mmask16 low = _mm512_mask_cmplt_epi32_mask(end, at32, _mm512_set1_epi32(16));
+        const __m512i a = _mm512_maskz_expand_epi32(static_cast<__mmask16>(rows_end),
+                                                    _mm512_maskz_compress_epi32(low, vals));
+        const __m512i b = _mm512_maskz_expand_epi32(static_cast<__mmask16>(rows_end >> 16),
+                                                    _mm512_maskz_compress_epi32(end & ~low, vals));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)),
+                                                _mm512_cvtepi32_epi16(b), 1);
+        _mm512_mask_storeu_epi16(out + lo, rows_end, both);
+      } else {
+        Ops::store(rounded, s);
+        for (uint32_t e = end; e != 0; e &= e - 1) {
+          const int l = __builtin_ctz(e);
+          out[static_cast<int64_t>(rv[l]) * os] = rounded[l];
+        }
       }
       _mm512_store_ps(sums, s);
       acc = sums[15];
