@@ -161,9 +161,22 @@ void run_sorted(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   };
   job.long_runs =
       runs_are_long(index, dtype_size(out.dtype) == 2 ? CpuPolicy::kLongRunRounded : CpuPolicy::kLongRunExact);
-  auto run_start = [&](int64_t i) {  // the first source of the run holding entry i (i <= k)
-    while (i > 0 && i < k && value(i) == value(i - 1)) ++i;
-    return i;
+  // The first run boundary at or after entry i (i <= k): i itself where a run starts there, else
+  // the end of the run holding entry i - 1, found by bisection (the values do not decrease). A
+  // walk to that end cost a pass over the run on one thread before the others began: all K = 1M
+  // entries in one row, float32, C++, 2 threads took 2.25 ms against one thread's 1.54.
+  auto run_start = [&](int64_t i) {
+    if (i <= 0 || i >= k) return i;
+    const int64_t v = value(i - 1);
+    int64_t lo = i - 1, hi = k;  // value(lo) == v; the boundary is in (lo, hi]
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (value(mid) == v)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    return hi;
   };
   // Wide rows too take shares of the entries when the runs cut them into shares of at most
   // kRowsBalanceNum / kRowsBalanceDen of an equal one (so threads write rows far apart, see
