@@ -359,13 +359,27 @@ bool direct_row_split_pays(const AddShape& s, int nt) {
   return (per_entry - P::kDirectNsPerEntry - src) * (nt - 1) > P::kRowSplitSkipNs;
 }
 
-Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {
+// Options::strategy, else get_strategy(); automatic when neither forces one. An unknown code is
+// refused before anything is written.
+namespace {
+Strategy forced_strategy(const Options& o) {
   if (static_cast<unsigned>(o.strategy) > 3u)
     throw Error(Error::Kind::value, "options.strategy has an unknown code " +
                                         std::to_string(static_cast<int>(o.strategy)) +
                                         " (auto, direct, count, radix are 0..3)");
-  if (o.strategy != Strategy::automatic) return o.strategy;
-  const Strategy forced = get_strategy();
+  return o.strategy != Strategy::automatic ? o.strategy : get_strategy();
+}
+}  // namespace
+
+Strategy choose_gather(const Options& o) {
+  const Strategy forced = forced_strategy(o);
+  // By the index wherever the cost model chooses: a plan built for the call never paid
+  // (CpuPolicy, "gather: by the index or by a plan").
+  return forced != Strategy::automatic ? forced : Strategy::direct;
+}
+
+Strategy choose_add(const AddShape& s, const Options& o, bool sorted) {
+  const Strategy forced = forced_strategy(o);
   if (forced != Strategy::automatic) return forced;
   if (sorted) return Strategy::direct;
   const int nt = o.num_threads > 0 ? o.num_threads : get_num_threads();

@@ -1,6 +1,7 @@
 // The public entry points: validate (nothing is written before every check passes), choose a
 // strategy, run it. See strategy.h for the strategies and choose.cpp for the choice.
 #include <atomic>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -46,6 +47,22 @@ void as_op(const char* op, F&& f) {
   }
 }
 
+// Runs f(plan) on this thread's plan rebuilt for index by strategy s (count or radix). Its
+// buffers stay for the thread's next planned call (up to kKeptPlanBytes): a new plan's buffers
+// are pages the kernel maps and zeroes on every call.
+template <class F>
+void with_kept_plan(const IndexVector& index, int64_t rows, std::optional<int64_t> ignore, Strategy s, F&& f) {
+  thread_local Plan kept;
+  try {
+    kept.rebuild(index, rows, ignore, s);
+    f(static_cast<const Plan&>(kept));
+  } catch (...) {  // a build that failed part way (out of memory) keeps nothing
+    kept = Plan();
+    throw;
+  }
+  if (kept.capacity_bytes() > static_cast<size_t>(cpu::CpuPolicy::kKeptPlanBytes)) kept = Plan();
+}
+
 }  // namespace
 
 void set_num_threads(int n) { g_num_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
@@ -72,21 +89,11 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
     const Strategy s = cpu::choose_add({out.rows, index.size, out.cols, out.dtype}, options, scan.sorted);
     if (out.cols == 0 || scan.kept == 0) return;
     const void* w = cpu::weights_as_acc(weight, out.dtype, &wf, &wd);
-    if (s == Strategy::direct) {
+    if (s == Strategy::direct)
       cpu::run_direct(out, index, src, w, options, scan);
-    } else {
-      // Built in this thread's plan, whose buffers stay for its next call (up to
-      // kKeptPlanBytes): a new plan's buffers are pages the kernel maps and zeroes on every call.
-      thread_local Plan kept;
-      try {
-        kept.rebuild(index, out.rows, options.ignore_index, s);
-        cpu::run_planned(out, kept, src, w, options);
-      } catch (...) {  // a build that failed part way (out of memory) keeps nothing
-        kept = Plan();
-        throw;
-      }
-      if (kept.capacity_bytes() > static_cast<size_t>(cpu::CpuPolicy::kKeptPlanBytes)) kept = Plan();
-    }
+    else
+      with_kept_plan(index, out.rows, options.ignore_index, s,
+                     [&](const Plan& plan) { cpu::run_planned(out, plan, src, w, options); });
   });
 }
 
@@ -107,7 +114,20 @@ void gather_rows(const Matrix& dst, const ConstMatrix& x, const IndexVector& ind
   cpu::check_gather_args(op, dst, x, weight, index.data, cpu::index_bytes(index));
   std::vector<float> wf;
   std::vector<double> wd;
-  as_op(op, [&] { cpu::run_gather(dst, x, index, cpu::weights_as_acc(weight, dst.dtype, &wf, &wd), options); });
+  as_op(op, [&] {
+    // choose_gather refuses an unknown options.strategy before anything is written; run_gather
+    // checks every index value before its first write, and so does the scan before a plan.
+    const Strategy s = cpu::choose_gather(options);
+    const void* w = cpu::weights_as_acc(weight, dst.dtype, &wf, &wd);
+    if (s == Strategy::direct) {
+      cpu::run_gather(dst, x, index, w, options);
+      return;
+    }
+    cpu::scan_index(index, x.rows, options.ignore_index);
+    if (index.size == 0 || dst.cols == 0) return;
+    with_kept_plan(index, x.rows, options.ignore_index, s,
+                   [&](const Plan& plan) { cpu::run_gather_planned(dst, x, plan, w, options); });
+  });
 }
 
 void gather_rows(const Matrix& dst, const ConstMatrix& x, const Plan& plan,

@@ -33,6 +33,9 @@ struct AddShape {
 // sorted index (its runs walk needs no sort), else the cheapest by the cost model (policy.h).
 // Never automatic.
 Strategy choose_add(const AddShape& s, const Options& o, bool sorted = false);
+// The strategy gather_rows runs: Options::strategy, else get_strategy(), else direct (by the
+// index; count or radix: by a plan that sort builds for the call). Never automatic.
+Strategy choose_gather(const Options& o);
 // The cost model's constants: policy.h's (policy_cost_model), or others to try
 // (`bench_scatter_add --fit` searches them against saved calibrations).
 struct CostModel {

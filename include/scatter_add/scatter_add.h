@@ -16,9 +16,10 @@
 // keeping subnormals. Every CPU strategy, ISA level and thread count gives these bits (a NaN's
 // payload and sign may differ: where two NaNs meet, which one an add keeps depends on the walk).
 //
-// Strategies (CPU): index_add_rows picks one by a cost model (csrc/cpu/policy.h); any one can be
-// forced with Options::strategy, set_strategy() or SCATTER_ADD_CPU_STRATEGY, for tests and
-// benchmarks. All give the same bits.
+// Strategies (CPU): index_add_rows picks one by a cost model (csrc/cpu/policy.h), gather_rows
+// copies by the index (the model's pick at every shape measured); any one can be forced with
+// Options::strategy, set_strategy() or SCATTER_ADD_CPU_STRATEGY, for tests and benchmarks. All
+// give the same bits.
 //
 // Plans: a Plan is the sort of an index by destination row (CSR). Build it once and pass it to
 // many index_add_rows/gather_rows calls that share the index (MoE forward + backward).
@@ -77,6 +78,8 @@ struct WeightVector {
 //           receive several contributions are summed in a float32 scratch of the touched rows)
 //   count   a plan by counting sort, O(N + K), then each destination row summed by one thread
 //   radix   a plan by radix sort of (row, source) pairs, O(K) per 8-11 bits of N, then the same
+// And gather_rows: direct copies row by row in index order; count and radix build a plan by
+// that sort and copy each x row once to all its destinations.
 enum class Strategy : int { automatic = 0, direct = 1, count = 2, radix = 3 };
 const char* strategy_name(Strategy s);  // "auto", "direct", "count", "radix"
 

@@ -269,6 +269,26 @@ TEST(BadInput, ErrorsNameTheArgumentAndLeaveOutUntouched) {
                "x memory overlaps dst");
   EXPECT_EQ(dst.bytes, dst_before.bytes);
 
+  // Every strategy and thread count refuses a bad index before its first write.
+  for (sa::Strategy st : {sa::Strategy::direct, sa::Strategy::count, sa::Strategy::radix})
+    for (int threads : {1, 2, 3}) {
+      sa::Options o;
+      o.strategy = st;
+      o.num_threads = threads;
+      expect_error([&] { sa::index_add_rows(O, bad.view(), S, {}, o); }, K::index, "index[4] = 10");
+      expect_error([&] { sa::index_add_rows(O, neg.view(), S, {}, o); }, K::index, "index[2] = -1");
+      expect_error([&] { sa::gather_rows(mat(dst, k, d, d), cmat(out, n, d, d), bad.view(), {}, o); }, K::index,
+                   "index[4] = 10");
+      expect_error([&] { sa::gather_rows(mat(dst, k, d, d), cmat(out, n, d, d), neg.view(), {}, o); }, K::index,
+                   "index[2] = -1");
+      o.ignore_index = -1;
+      expect_error([&] { sa::index_add_rows(O, bad.view(), S, {}, o); }, K::index, "ignore_index = -1");
+      expect_error([&] { sa::gather_rows(mat(dst, k, d, d), cmat(out, n, d, d), bad.view(), {}, o); }, K::index,
+                   "ignore_index = -1");
+    }
+  EXPECT_EQ(out.bytes, before.bytes);
+  EXPECT_EQ(dst.bytes, dst_before.bytes);
+
   // A plan for another shape is refused.
   const sa::Plan plan = sa::Plan::build(good.view(), n + 1);
   expect_error([&] { sa::index_add_rows(O, plan, S); }, K::value, "plan was built for 11 rows");

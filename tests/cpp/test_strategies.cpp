@@ -1112,16 +1112,19 @@ TEST(Strategies, GatherBitsAreOneRoundedProductWhateverTheSplit) {
                 else
                   want.set(i * d + j, w[i] * static_cast<float>(v));
               }
-            for (int threads : {1, 2, 3}) {
-              Buf dst = special_buf(t, static_cast<size_t>(k * d), rng);
-              sa::Options opt;
-              opt.num_threads = threads;
-              opt.ignore_index = -3;
-              sa::gather_rows(mat(dst, k, d, d), cmat(x, n, d, d), idx.view(),
-                              {weighted ? w.data() : nullptr, k, DType::f32}, opt);
-              ASSERT_EQ(dst.bytes, want.bytes) << sa::dtype_name(t) << " d=" << d << " k=" << k
-                                               << " threads=" << threads;
-            }
+            for (sa::Strategy st : {sa::Strategy::automatic, sa::Strategy::direct, sa::Strategy::count,
+                                    sa::Strategy::radix})
+              for (int threads : {1, 2, 3}) {
+                Buf dst = special_buf(t, static_cast<size_t>(k * d), rng);
+                sa::Options opt;
+                opt.num_threads = threads;
+                opt.ignore_index = -3;
+                opt.strategy = st;
+                sa::gather_rows(mat(dst, k, d, d), cmat(x, n, d, d), idx.view(),
+                                {weighted ? w.data() : nullptr, k, DType::f32}, opt);
+                ASSERT_EQ(dst.bytes, want.bytes) << sa::dtype_name(t) << " d=" << d << " k=" << k
+                                                 << " threads=" << threads << " " << sa::strategy_name(st);
+              }
           }
 }
 
@@ -1309,6 +1312,7 @@ TEST(Overlap, StridedViewsAreDecidedOnElements) {
 TEST(StrategySwitch, UnknownCodesAreValueErrors) {
   std::vector<float> out(4, 1.0f), src(3, 2.0f);
   const Idx idx = make_idx(IndexType::i64, {0, 1, 3});
+  std::vector<float> dst(3, 5.0f);
   for (int code : {-1, 4, 7}) {
     sa::Options o;
     o.strategy = static_cast<sa::Strategy>(code);
@@ -1316,6 +1320,10 @@ TEST(StrategySwitch, UnknownCodesAreValueErrors) {
                                     sa::ConstMatrix{src.data(), 3, 1, 1, DType::f32}, {}, o),
                  sa::Error);
     EXPECT_EQ(out, std::vector<float>(4, 1.0f));
+    EXPECT_THROW(sa::gather_rows({dst.data(), 3, 1, 1, DType::f32}, sa::ConstMatrix{out.data(), 4, 1, 1, DType::f32},
+                                 idx.view(), {}, o),
+                 sa::Error);
+    EXPECT_EQ(dst, std::vector<float>(3, 5.0f));
   }
   EXPECT_THROW(sa::Plan::build(idx.view(), 4, std::nullopt, sa::Strategy::direct), sa::Error);
   EXPECT_THROW(sa::Plan::build(idx.view(), 4, std::nullopt, static_cast<sa::Strategy>(42)), sa::Error);
@@ -1654,6 +1662,43 @@ TEST(StrategyEnv, UnknownNameIsAnErrorNamingTheVariable) {
     EXPECT_STREQ(e.what(), "index_add_rows: SCATTER_ADD_CPU_STRATEGY='bogus' is not one of auto, direct, count, radix");
   }
   EXPECT_EQ(out, std::vector<float>(4, 0.0f));
+}
+
+// Run by its own CTest entries, one with SCATTER_ADD_CPU_STRATEGY set to each strategy (filtered
+// out elsewhere): every call of index_add_rows and gather_rows runs that one, whatever the shape,
+// threads or sorted index, unless Options::strategy names another.
+TEST(StrategyEnvForced, EveryCallRunsTheNamedStrategy) {
+  const char* env = std::getenv("SCATTER_ADD_CPU_STRATEGY");
+  ASSERT_NE(env, nullptr);
+  sa::Strategy named = sa::Strategy::automatic;
+  for (sa::Strategy st : kStrategies)
+    if (std::strcmp(env, sa::strategy_name(st)) == 0) named = st;
+  ASSERT_NE(named, sa::Strategy::automatic) << "SCATTER_ADD_CPU_STRATEGY=" << env;
+  ASSERT_EQ(sa::get_strategy(), named);
+  // Shapes whose model picks are direct, count and radix (StrategyChoice above).
+  const sa::cpu::AddShape shapes[] = {{64, 64, 1024, DType::f32}, {33, 32768, 128, DType::bf16},
+                                      {1000000, 16, 1, DType::bf16}, {1000000, 100000, 1, DType::bf16},
+                                      {16, 16, 1, DType::bf16},     {164, 16384, 256, DType::f64}};
+  for (const auto& s : shapes)
+    for (int nt : {1, 2, 3})
+      for (bool sorted : {false, true}) {
+        sa::Options o;
+        o.num_threads = nt;
+        EXPECT_EQ(sa::cpu::choose_add(s, o, sorted), named) << s.n << " " << s.k << " " << s.d;
+        EXPECT_EQ(sa::cpu::choose_gather(o), named);
+        for (sa::Strategy st : kStrategies) {
+          o.strategy = st;
+          EXPECT_EQ(sa::cpu::choose_add(s, o, sorted), st);
+          EXPECT_EQ(sa::cpu::choose_gather(o), st);
+        }
+      }
+  // And the calls give the contract's bits under it.
+  std::vector<float> out(4, 0.5f), src = {1.0f, 2.0f, 4.0f}, dst(3, 0.0f);
+  const Idx idx = make_idx(IndexType::i32, {3, 0, 3});
+  sa::index_add_rows({out.data(), 4, 1, 1, DType::f32}, idx.view(), sa::ConstMatrix{src.data(), 3, 1, 1, DType::f32});
+  EXPECT_EQ(out, (std::vector<float>{2.5f, 0.5f, 0.5f, 5.5f}));
+  sa::gather_rows({dst.data(), 3, 1, 1, DType::f32}, sa::ConstMatrix{out.data(), 4, 1, 1, DType::f32}, idx.view());
+  EXPECT_EQ(dst, (std::vector<float>{5.5f, 2.5f, 5.5f}));
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 // ignore_index, index values (in and out of range), overlapping buffers, threads, ISA level and
 // strategy. Every call is checked against a float64 reference or against the error it must raise,
 // with `out` bit-for-bit unchanged after an error; a successful call is repeated at the scalar
-// level with another strategy on one thread and must give the same bits; gather is checked
-// exactly. Any mismatch aborts.
+// level with another strategy on one thread and must give the same bits; gather (the same
+// strategy) is checked exactly, and refuses a bad index with its dst unchanged. Any mismatch
+// aborts.
 //   make fuzz FUZZ_SECONDS=60        (corpus kept in tests/fuzz/corpus)
 #include <cmath>
 #include <cstdint>
@@ -139,6 +140,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const sa::Error& e) {
     if (!expect_error) die(e.what());
     if (!before.empty() && std::memcmp(before.data(), out, before.size()) != 0) die("out changed after an error");
+    if (bad_index && !expect_overlap && d > 0) {  // gather from out by the same index: refused too
+      std::vector<unsigned char> g(static_cast<size_t>(k * d) * es, 0x5A);
+      const std::vector<unsigned char> g0(g);
+      try {
+        sa::gather_rows({g.data(), k, d, d, dt}, {out, n, d, os, dt}, idx, {}, opt);
+        die("gather_rows: no error for a bad index");
+      } catch (const sa::Error&) {
+        if (g != g0) die("gather_rows: dst changed after an error");
+      }
+    }
     return 0;
   }
   // The same bits at the scalar level, with another strategy, on one thread.
