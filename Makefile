@@ -199,8 +199,11 @@ compat: hub
 peers: venv
 	$(PY) -m pip install --no-build-isolation torch-scatter==2.1.2
 
+# The MoE combine shapes against the stream ceiling, then shapes from every corner of the sweep with
+# each strategy forced: its sort (plan) and its row walk timed apart.
 bench-cpp: cpp
 	$(BUILD)/benchmarks/bench_scatter_add
+	$(BUILD)/benchmarks/bench_scatter_add --strategies
 
 bench: hub
 	$(PY) benchmarks/bench_torch.py
