@@ -57,6 +57,8 @@ struct DirectJob {
                         // row r's first contribution, which fills its slot from out
   bool compact;         // a row split's in-place walk: each block of entries compacted to this
                         // thread's own first (direct_compacts)
+  bool every_entry;     // the direct walk adds every entry: none is ignored and every row is in
+                        // [row_lo, row_hi) (false wherever a row split narrows them)
 };
 using AddDirectFn = void (*)(const DirectJob& job, int64_t i0, int64_t i1, int64_t c0, int64_t c1);
 

@@ -357,6 +357,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
   job.row_lo = 0;
   job.row_hi = n;
   job.prefetch = prefetch;
+  job.every_entry = scan.kept == k;  // none ignored; every value was checked to lie in [0, n)
 
   const bool scratch = dense || touched || (sparse && (dealt || scan.repeated > 0));
   uint8_t* const marks = dense && !mark_in_pass && !exact ? kept.marks.zeroed(static_cast<size_t>(n)) : nullptr;
@@ -481,6 +482,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
         DirectJob mine = job;
         mine.row_lo = b == 0 ? 0 : cut_row;
         mine.row_hi = b == 0 ? cut_row : n;
+        mine.every_entry = false;
         if (mine.row_lo >= mine.row_hi) continue;
         const int64_t w0 = mine.row_lo >> 6, w1 = (mine.row_hi + 63) >> 6;
         const int64_t i0 = from[b][0], i1 = from[b][1];
@@ -530,6 +532,7 @@ void run_direct(const Matrix& out, const IndexVector& index, const ConstMatrix& 
       } else {
         mine.row_lo = std::min(n, cut[static_cast<size_t>(t)] << shift);
         mine.row_hi = std::min(n, cut[static_cast<size_t>(t) + 1] << shift);
+        mine.every_entry = false;  // the other threads' entries are skipped
         if (mine.row_lo >= mine.row_hi) return;
         mine.compact = compact;
         w0 = mine.row_lo >> 6;

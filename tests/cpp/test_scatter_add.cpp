@@ -289,6 +289,35 @@ TEST(BadInput, ErrorsNameTheArgumentAndLeaveOutUntouched) {
   EXPECT_EQ(out.bytes, before.bytes);
   EXPECT_EQ(dst.bytes, dst_before.bytes);
 
+  // A bad value first or last in an index of any length (the checks' vector bodies and tails),
+  // either type, with or without an ignore_index elsewhere, is refused by every strategy.
+  for (IndexType it : {IndexType::i32, IndexType::i64})
+    for (int64_t len : {1, 2, 15, 16, 17, 33, 64, 100})
+      for (int64_t at : {int64_t(0), len - 1})
+        for (int64_t value : {n, int64_t(-2)})
+          for (bool with_ignore : {false, true}) {
+            std::vector<int64_t> v(static_cast<size_t>(len), 3);
+            v[static_cast<size_t>(at)] = value;
+            const Idx one_bad = make_idx(it, v);
+            Buf many = random_buf(DType::f32, len * d, rng);
+            const std::string want = "index[" + std::to_string(at) + "] = " + std::to_string(value);
+            for (sa::Strategy st : {sa::Strategy::automatic, sa::Strategy::direct, sa::Strategy::count})
+              for (int threads : {1, 2}) {
+                sa::Options o;
+                o.strategy = st;
+                o.num_threads = threads;
+                if (with_ignore) o.ignore_index = 7;
+                expect_error([&] { sa::index_add_rows(O, one_bad.view(), cmat(many, len, d, d), {}, o); }, K::index,
+                             want);
+                Buf got = random_buf(DType::f32, len * d, rng);
+                const Buf got_before = got;
+                expect_error([&] { sa::gather_rows(mat(got, len, d, d), cmat(out, n, d, d), one_bad.view(), {}, o); },
+                             K::index, want);
+                EXPECT_EQ(got.bytes, got_before.bytes);
+              }
+          }
+  EXPECT_EQ(out.bytes, before.bytes);
+
   // A plan for another shape is refused.
   const sa::Plan plan = sa::Plan::build(good.view(), n + 1);
   expect_error([&] { sa::index_add_rows(O, plan, S); }, K::value, "plan was built for 11 rows");
