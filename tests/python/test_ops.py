@@ -191,3 +191,62 @@ def test_scatter_add_module_settings(sa):
     with pytest.raises(ValueError, match=r"ScatterAdd: ignore_index must be in the int64 range"):
         sa.ScatterAdd(ignore_index=-(2**63) - 1)
     assert "ignore_index" in sa.ScatterAdd.__doc__
+
+
+_STRATEGY_CODE = """
+import hashlib, sys, torch
+sys.path.insert(0, 'tests/python')
+from conftest import load_sa
+sa = load_sa()
+g = torch.Generator().manual_seed(5)
+digest = hashlib.sha256()
+for n, k, d, dtype in [(7, 300, 1, torch.float32), (300, 40, 8, torch.bfloat16), (50, 900, 33, torch.float16),
+                       (64, 128, 64, torch.float64), (1000, 100000, 1, torch.float32)]:
+    index = torch.randint(0, n, (k,), generator=g)
+    index[::5] = -1
+    src = torch.randn(k, d, generator=g).to(dtype)
+    weight = torch.rand(k, generator=g)
+    out = torch.randn(n, d, generator=g).to(dtype)
+    before = out.clone()
+    x = torch.randn(n, d, generator=g).to(dtype)
+    calls = [lambda: sa.scatter_add(out, index.int(), src, weight=weight, ignore_index=-1),
+             lambda: sa.index_add(before, index, src, ignore_index=-1),
+             lambda: sa.gather(x, index.int(), weight=weight, ignore_index=-1),
+             lambda: sa.gather(x, index, ignore_index=-1)]
+    errors = []
+    for call in calls:
+        try:
+            digest.update(call().contiguous().view(torch.uint8).numpy().tobytes())
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        assert len(errors) == len(calls), errors
+        assert torch.equal(out.view(torch.uint8), before.view(torch.uint8))
+        print("errors", " | ".join(errors))
+        sys.exit(0)
+print("bits", digest.hexdigest())
+"""
+
+
+def test_strategy_from_the_environment_reaches_every_op(sa):
+    """SCATTER_ADD_CPU_STRATEGY through the binding: each strategy gives the unforced bits for
+    scatter_add, index_add and gather (weighted, ignore_index, every dtype); an unknown name is a
+    ValueError naming the variable, with out untouched."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    seen = {}
+    for value in ("", "direct", "count", "radix", "bogus"):
+        env = dict(os.environ, SCATTER_ADD_CPU_STRATEGY=value)
+        r = subprocess.run([sys.executable, "-c", _STRATEGY_CODE], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, (value, r.stderr[-2000:])
+        seen[value] = r.stdout.strip().splitlines()[-1]
+    errors = seen["bogus"].removeprefix("errors ").split(" | ")
+    assert len(errors) == 4 and all("SCATTER_ADD_CPU_STRATEGY='bogus'" in e for e in errors), seen["bogus"]
+    assert seen[""].startswith("bits "), seen[""]
+    for value in ("direct", "count", "radix"):
+        assert seen[value] == seen[""], value
