@@ -359,9 +359,6 @@ bool direct_row_split_pays(const AddShape& s, int nt) {
   return (per_entry - P::kDirectNsPerEntry - src) * (nt - 1) > P::kRowSplitSkipNs;
 }
 
-// Options::strategy, else get_strategy(); automatic when neither forces one. An unknown code is
-// refused before anything is written.
-namespace {
 Strategy forced_strategy(const Options& o) {
   if (static_cast<unsigned>(o.strategy) > 3u)
     throw Error(Error::Kind::value, "options.strategy has an unknown code " +
@@ -369,7 +366,6 @@ Strategy forced_strategy(const Options& o) {
                                         " (auto, direct, count, radix are 0..3)");
   return o.strategy != Strategy::automatic ? o.strategy : get_strategy();
 }
-}  // namespace
 
 Strategy choose_gather(const Options& o) {
   const Strategy forced = forced_strategy(o);

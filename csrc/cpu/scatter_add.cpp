@@ -79,7 +79,10 @@ void index_add_rows(const Matrix& out, const IndexVector& index, const ConstMatr
   const char* op = "index_add_rows";
   cpu::check_index(op, index, src.rows, "src");
   cpu::check_add_args(op, out, src, weight, index.size, index.data, cpu::index_bytes(index));
-  if (index.size == 0) return;
+  if (index.size == 0) {  // nothing to add, but an unknown strategy is refused as in any call
+    as_op(op, [&] { cpu::forced_strategy(options); });
+    return;
+  }
   std::vector<float> wf;
   std::vector<double> wd;
   as_op(op, [&] {

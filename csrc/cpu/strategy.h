@@ -33,6 +33,9 @@ struct AddShape {
 // sorted index (its runs walk needs no sort), else the cheapest by the cost model (policy.h).
 // Never automatic.
 Strategy choose_add(const AddShape& s, const Options& o, bool sorted = false);
+// Options::strategy, else get_strategy(); automatic when neither forces one. Throws on an unknown
+// code (or SCATTER_ADD_CPU_STRATEGY value), before anything is written.
+Strategy forced_strategy(const Options& o);
 // The strategy gather_rows runs: Options::strategy, else get_strategy(), else direct (by the
 // index; count or radix: by a plan that sort builds for the call). Never automatic.
 Strategy choose_gather(const Options& o);

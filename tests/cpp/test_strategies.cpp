@@ -1324,6 +1324,14 @@ TEST(StrategySwitch, UnknownCodesAreValueErrors) {
                                  idx.view(), {}, o),
                  sa::Error);
     EXPECT_EQ(dst, std::vector<float>(3, 5.0f));
+    // Refused with nothing to do too.
+    const Idx none = make_idx(IndexType::i64, {});
+    EXPECT_THROW(sa::index_add_rows({out.data(), 4, 1, 1, DType::f32}, none.view(),
+                                    sa::ConstMatrix{src.data(), 0, 1, 1, DType::f32}, {}, o),
+                 sa::Error);
+    EXPECT_THROW(sa::gather_rows({dst.data(), 0, 1, 1, DType::f32}, sa::ConstMatrix{out.data(), 4, 1, 1, DType::f32},
+                                 none.view(), {}, o),
+                 sa::Error);
   }
   EXPECT_THROW(sa::Plan::build(idx.view(), 4, std::nullopt, sa::Strategy::direct), sa::Error);
   EXPECT_THROW(sa::Plan::build(idx.view(), 4, std::nullopt, static_cast<sa::Strategy>(42)), sa::Error);
