@@ -143,10 +143,13 @@ void run_gather(const Matrix& dst, const ConstMatrix& x, const IndexVector& inde
                       w,        o.ignore_index.has_value(), o.ignore_index.value_or(0), stream};
   const GatherFn fn =
       active_kernels().gather[static_cast<int>(dst.dtype)][w != nullptr][index.type == IndexType::i64];
-  // Work in bytes moved, plus a row's price where x's rows are read at random from memory.
-  const double work = 2.0 * static_cast<double>(k) * static_cast<double>(d) * static_cast<double>(es) +
+  // Work in bytes moved, plus a row's price where x's rows are read at random from memory: at
+  // least kGatherRandomRowBytes, and twice its bytes (CpuPolicy::kGatherRandomRowBytes).
+  const double row_bytes = static_cast<double>(d) * static_cast<double>(es);
+  const double work = 2.0 * static_cast<double>(k) * row_bytes +
                       (x_bytes >= static_cast<double>(CpuPolicy::kGatherRandomRowsFromBytes)
-                           ? static_cast<double>(k) * static_cast<double>(CpuPolicy::kGatherRandomRowBytes)
+                           ? static_cast<double>(k) *
+                                 std::max(static_cast<double>(CpuPolicy::kGatherRandomRowBytes), 2.0 * row_bytes)
                            : 0.0);
   const int nt = threads_for(o, work, CpuPolicy::kGatherMinBytesPerThread);
   const bool by_columns = k < nt;

@@ -47,7 +47,16 @@ struct CpuPolicy {
   // K = 10000 35.8 -> 22.3 (23.9); D = 8 K = 3000 15.1 -> 12.0 (12.4), K = 10000 40.7 -> 24.2
   // (25.7); up to K = 3000 at D = 4 (11.4 us, index_select 12.9) one thread stays. The same
   // rows from an x of 4 MB (just under 4 MiB) took about half the time (D = 1 K = 10000 16.6 us;
-  // from 16 MB 35.6).
+  // from 16 MB 35.6). A row of several lines from such an x counts twice its bytes when that is
+  // more (gather.cpp): its lines come from memory too, and one thread had taken such gathers up to
+  // 336 KiB of copy. The same Xeon, C++, float32, x of 16 MiB, 32 MiB of other data written
+  // before each call, medians of 301, one thread -> two: K = 328 D = 128 24.6-26.7 -> 16.5-17.4
+  // us, K = 164 D = 256 23.6-28.5 -> 17.1-18.9, K = 41 D = 1024 17.0-17.3 -> 12.7-13.6, K = 655
+  // D = 64 19.9-22.3 -> 13.5-16.7 (K = 164 D = 128, still one thread: 12.5-13.8 -> 11.1). Through
+  // the op, two threads, interleaved with index_select (in brackets), three processes each, the
+  // build before -> this rule: K = 328 D = 128 11.6-14.9 (10.2-12.5) -> 7.4-10.6 (7.3-10.1) us;
+  // K = 655 D = 64 12.2-13.0 (11.5-12.4) -> 7.2-10.4 (7.4-10.6) us. Rows of 16 and 32 bytes keep
+  // their threads (D = 4 K = 3000 and 4000, D = 8 K = 3000: the same pick before and after).
   static constexpr int64_t kGatherRandomRowsFromBytes = 4 << 20;
   static constexpr int64_t kGatherRandomRowBytes = 128;
 
