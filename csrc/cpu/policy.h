@@ -52,7 +52,7 @@ struct CpuPolicy {
   // 336 KiB of copy. The same Xeon, C++, float32, x of 16 MiB, 32 MiB of other data written
   // before each call, medians of 301, one thread -> two: K = 328 D = 128 24.6-26.7 -> 16.5-17.4
   // us, K = 164 D = 256 23.6-28.5 -> 17.1-18.9, K = 41 D = 1024 17.0-17.3 -> 12.7-13.6, K = 655
-  // D = 64 19.9-22.3 -> 13.5-16.7 (K = 164 D = 128, still one thread: 12.5-13.8 -> 11.1). Through
+  // D = 64 19.9-22.3 -> 13.5-16.7 (K = 164 D = 128 stays on one thread, 12.5-13.8; two 11.1). Through
   // the op, two threads, interleaved with index_select (in brackets), three processes each, the
   // build before -> this rule: K = 328 D = 128 11.6-14.9 (10.2-12.5) -> 7.4-10.6 (7.3-10.1) us;
   // K = 655 D = 64 12.2-13.0 (11.5-12.4) -> 7.2-10.4 (7.4-10.6) us. Rows of 16 and 32 bytes keep
