@@ -1112,8 +1112,7 @@ TEST(Strategies, GatherBitsAreOneRoundedProductWhateverTheSplit) {
                 else
                   want.set(i * d + j, w[i] * static_cast<float>(v));
               }
-            for (sa::Strategy st : {sa::Strategy::automatic, sa::Strategy::direct, sa::Strategy::count,
-                                    sa::Strategy::radix})
+            for (sa::Strategy st : kStrategies)  // automatic is direct, tested apart
               for (int threads : {1, 2, 3}) {
                 Buf dst = special_buf(t, static_cast<size_t>(k * d), rng);
                 sa::Options opt;
@@ -1656,6 +1655,15 @@ TEST(StrategyChoice, AKeptPickIsThePickOfItsOwnShape) {
       ASSERT_EQ(pick(j), fresh[j]) << "shape " << j / 3 << " threads " << kThreads[j % 3] << " after shape " << i / 3
                                    << " threads " << kThreads[i % 3];
     }
+}
+
+TEST(StrategyChoice, GatherCopiesByTheIndexUnlessForced) {
+  if (sa::get_strategy() != sa::Strategy::automatic) GTEST_SKIP() << "SCATTER_ADD_CPU_STRATEGY forces a strategy";
+  for (int nt : {0, 1, 2, 3}) {
+    sa::Options o;
+    o.num_threads = nt;
+    EXPECT_EQ(sa::cpu::choose_gather(o), sa::Strategy::direct);
+  }
 }
 
 TEST(StrategyEnv, UnknownNameIsAnErrorNamingTheVariable) {
