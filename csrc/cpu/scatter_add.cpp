@@ -47,12 +47,19 @@ void as_op(const char* op, F&& f) {
   }
 }
 
+// This thread's plan, one for both ops (a static local of the template below would be one per
+// instantiation).
+Plan& thread_plan() {
+  thread_local Plan kept;
+  return kept;
+}
+
 // Runs f(plan) on this thread's plan rebuilt for index by strategy s (count or radix). Its
 // buffers stay for the thread's next planned call (up to kKeptPlanBytes): a new plan's buffers
 // are pages the kernel maps and zeroes on every call.
 template <class F>
 void with_kept_plan(const IndexVector& index, int64_t rows, std::optional<int64_t> ignore, Strategy s, F&& f) {
-  thread_local Plan kept;
+  Plan& kept = thread_plan();
   try {
     kept.rebuild(index, rows, ignore, s);
     f(static_cast<const Plan&>(kept));
